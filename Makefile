@@ -1,0 +1,43 @@
+# etude: every target does its own set-up on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test test-all bench lint format clean system-deps
+
+# bubblewrap runs the sandboxes; installed only where missing (needs root or sudo).
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  echo "installing bubblewrap"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap >/dev/null; }
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: system-deps $(STAMP)
+	$(BIN)/etude pretrain configs/demo.toml
+
+test: system-deps $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/pytest -m "not slow"
+
+test-all: system-deps $(STAMP)
+	$(BIN)/pytest
+
+bench: system-deps $(STAMP)
+	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
