@@ -1,0 +1,109 @@
+"""The ``etude`` command line: thin argument parsing; heavy modules are imported per command.
+
+Every subcommand is a function ``cmd_NAME(args) -> int``. User mistakes (a bad key, a missing
+file, a bad value) exit with code 2 and one line naming the setting and the fix; they are
+raised as ``ValueError`` by the code below and turned into that line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from etude.config import load_config
+    from etude.pretrain import PretrainConfig, run_pretrain
+
+    cfg = load_config(PretrainConfig, args.config, args.overrides)
+    run_pretrain(cfg)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from etude.engine import Engine, SamplingParams
+    from etude.model.config import ModelConfig
+    from etude.model.tokenizer import Tokenizer
+    from etude.model.transformer import build_model
+    from etude.parallel.checkpoint import load_safetensors
+
+    run_dir = Path(args.run_dir)
+    export = run_dir / "export"
+    if not (export / "model.safetensors").is_file():
+        raise ValueError(f"{export}/model.safetensors not found; pass a finished run directory (etude pretrain writes it)")
+    from etude.config import from_dict
+
+    mcfg = from_dict(ModelConfig, json.loads((export / "config.json").read_text()), "model")
+    model = build_model(mcfg, device="cpu", seed=0)
+    load_safetensors(model, export / "model.safetensors")
+    tok = Tokenizer.load(run_dir / "tokenizer")
+    engine = Engine(model, decode_fn=tok.decode)
+    params = SamplingParams(
+        max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    gen = engine.generate([tok.encode(args.prompt)], params)[0]
+    print(args.prompt + tok.decode(gen.token_ids))
+    return 0
+
+
+def cmd_model_info(args: argparse.Namespace) -> int:
+    from etude.config import load_toml
+    from etude.model.info import format_model_info
+
+    if args.config.endswith(".toml"):
+        from etude.pretrain import resolve_model_config
+
+        mcfg = resolve_model_config(load_toml(args.config).get("model", {}))
+    else:
+        from etude.model.config import ModelConfig
+
+        mcfg = ModelConfig.preset(args.config)
+    print(format_model_info(mcfg))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="etude", description="etude: an open training stack for agentic coding models.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    sp = sub.add_parser("pretrain", help="continued pretraining of the MoE model on a local code corpus")
+    sp.add_argument("config", help="TOML recipe, e.g. configs/demo.toml")
+    sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 optim.lr=0.01")
+    sp.set_defaults(func=cmd_pretrain)
+
+    sp = sub.add_parser("generate", help="sample a completion from a finished run")
+    sp.add_argument("run_dir", help="run directory written by etude pretrain")
+    sp.add_argument("--prompt", default="def ", help="text to continue")
+    sp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    sp.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)")
+    sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sp.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = off)")
+    sp.add_argument("--seed", type=int, default=0, help="sampling seed")
+    sp.set_defaults(func=cmd_generate)
+
+    sp = sub.add_parser("model", help="model utilities")
+    msub = sp.add_subparsers(dest="model_command", metavar="SUBCOMMAND", required=True)
+    mp = msub.add_parser("info", help="parameter counts per kind and per Muon block shape (meta device)")
+    mp.add_argument("--config", default="tiny", help="a preset (tiny, small, kimi-k2) or a TOML recipe")
+    mp.set_defaults(func=cmd_model_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"etude {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"etude {args.command}: interrupted; the last checkpoint is intact", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

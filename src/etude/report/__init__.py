@@ -1,0 +1,1 @@
+"""Run outputs: metrics sinks, run directories, plots and the HTML report."""
