@@ -33,7 +33,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     export = run_dir / "export"
     if not (export / "model.safetensors").is_file():
-        raise ValueError(f"{export}/model.safetensors not found; pass a finished run directory (etude pretrain writes it)")
+        raise ValueError(
+            f"{export}/model.safetensors not found; pass a finished run directory (etude pretrain writes it)"
+        )
     from etude.config import from_dict
 
     mcfg = from_dict(ModelConfig, json.loads((export / "config.json").read_text()), "model")
@@ -42,7 +44,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = Tokenizer.load(run_dir / "tokenizer")
     engine = Engine(model, decode_fn=tok.decode)
     params = SamplingParams(
-        max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
     )
     gen = engine.generate([tok.encode(args.prompt)], params)[0]
     print(args.prompt + tok.decode(gen.token_ids))
@@ -66,28 +72,42 @@ def cmd_model_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="etude", description="etude: an open training stack for agentic coding models.")
+    p = argparse.ArgumentParser(
+        prog="etude", description="etude: an open training stack for agentic coding models."
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    sp = sub.add_parser("pretrain", help="continued pretraining of the MoE model on a local code corpus")
+    sp = sub.add_parser(
+        "pretrain", help="continued pretraining of the MoE model on a local code corpus"
+    )
     sp.add_argument("config", help="TOML recipe, e.g. configs/demo.toml")
-    sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 optim.lr=0.01")
+    sp.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 optim.lr=0.01"
+    )
     sp.set_defaults(func=cmd_pretrain)
 
     sp = sub.add_parser("generate", help="sample a completion from a finished run")
     sp.add_argument("run_dir", help="run directory written by etude pretrain")
     sp.add_argument("--prompt", default="def ", help="text to continue")
     sp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
-    sp.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)")
+    sp.add_argument(
+        "--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)"
+    )
     sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    sp.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = off)")
+    sp.add_argument(
+        "--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = off)"
+    )
     sp.add_argument("--seed", type=int, default=0, help="sampling seed")
     sp.set_defaults(func=cmd_generate)
 
     sp = sub.add_parser("model", help="model utilities")
     msub = sp.add_subparsers(dest="model_command", metavar="SUBCOMMAND", required=True)
-    mp = msub.add_parser("info", help="parameter counts per kind and per Muon block shape (meta device)")
-    mp.add_argument("--config", default="tiny", help="a preset (tiny, small, kimi-k2) or a TOML recipe")
+    mp = msub.add_parser(
+        "info", help="parameter counts per kind and per Muon block shape (meta device)"
+    )
+    mp.add_argument(
+        "--config", default="tiny", help="a preset (tiny, small, kimi-k2) or a TOML recipe"
+    )
     mp.set_defaults(func=cmd_model_info)
     return p
 

@@ -130,7 +130,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML recipe; a missing or malformed file is a ``ValueError`` naming it."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist; pass a recipe such as configs/demo.toml")
+        raise ValueError(
+            f"config file {str(path)!r} does not exist; pass a recipe such as configs/demo.toml"
+        )
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

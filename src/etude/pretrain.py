@@ -198,11 +198,20 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
     from etude.engine import Engine, SamplingParams
     from etude.model.transformer import build_model
     from etude.optim import build_optimizer
-    from etude.parallel.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+    from etude.parallel.checkpoint import (
+        export_safetensors,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from etude.report.metrics import MetricsLogger, format_step_line, prepare_run_dir
 
     tc, dc = cfg.train, cfg.data
-    device = torch.device("cuda" if tc.device == "auto" and torch.cuda.is_available() else ("cpu" if tc.device == "auto" else tc.device))
+    device = torch.device(
+        "cuda"
+        if tc.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if tc.device == "auto" else tc.device)
+    )
     mcfg = cfg.model_config()
     run_dir = prepare_run_dir(tc.run_dir, to_dict(cfg))
 
@@ -230,7 +239,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
         model.eval()
         with torch.no_grad():
             losses = [
-                next_token_loss(model, *sample_batch(val_stream, -1 - i, tc.seed, dc.batch_size, dc.seq_len, device)).item()
+                next_token_loss(
+                    model,
+                    *sample_batch(val_stream, -1 - i, tc.seed, dc.batch_size, dc.seq_len, device),
+                ).item()
                 for i in range(tc.eval_batches)
             ]
         model.train()
@@ -240,8 +252,13 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     model.train()
     progress = Progress(
-        TextColumn("pretrain"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not tc.progress, transient=True,
+        TextColumn("pretrain"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        disable=not tc.progress,
+        transient=True,
     )
     with progress:
         bar = progress.add_task("pretrain", total=tc.steps, completed=start_step, info="")
@@ -249,11 +266,15 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
             t0 = time.perf_counter()
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = base * lr_factor(step, tc)
-            inputs, targets = sample_batch(train_stream, step, tc.seed, dc.batch_size, dc.seq_len, device)
+            inputs, targets = sample_batch(
+                train_stream, step, tc.seed, dc.batch_size, dc.seq_len, device
+            )
             loss = next_token_loss(model, inputs, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")
+            )
             optimizer.step()
             model.update_expert_bias()
             dt = time.perf_counter() - t0
@@ -269,14 +290,21 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
             logger.log(done, metrics)
             progress.update(bar, advance=1, info=f"loss {metrics['loss']:.3f}")
             if done % tc.log_every == 0 or done == tc.steps:
-                progress.console.print(format_step_line(done, metrics, ("loss", "val_loss", "grad_norm", "tok/s")))
+                progress.console.print(
+                    format_step_line(done, metrics, ("loss", "val_loss", "grad_norm", "tok/s"))
+                )
             if done % tc.checkpoint_every == 0 or done == tc.steps:
-                save_checkpoint(run_dir, done, model, optimizer, {"tokens_seen": done * tokens_per_step})
+                save_checkpoint(
+                    run_dir, done, model, optimizer, {"tokens_seen": done * tokens_per_step}
+                )
 
     export_safetensors(model, run_dir / "export", to_dict(mcfg))
     engine = Engine(model, decode_fn=tok.decode)
     prompt = tok.encode(tc.sample_prompt)
-    gen = engine.generate([prompt], SamplingParams(max_new_tokens=tc.sample_tokens, temperature=0.8, top_k=50, seed=tc.seed))[0]
+    gen = engine.generate(
+        [prompt],
+        SamplingParams(max_new_tokens=tc.sample_tokens, temperature=0.8, top_k=50, seed=tc.seed),
+    )[0]
     sample = tc.sample_prompt + tok.decode(gen.token_ids)
     print("sample:\n" + sample)
     (run_dir / "sample.txt").write_text(sample)

@@ -32,20 +32,29 @@ class Outer:
 
 def test_defaults_and_nested_tables():
     cfg = from_dict(Outer, {"steps": 3, "inner": {"lr": 1, "kind": "b"}})
-    assert cfg.steps == 3 and cfg.inner.lr == 1.0 and isinstance(cfg.inner.lr, float) and cfg.inner.kind == "b"
+    assert (
+        cfg.steps == 3
+        and cfg.inner.lr == 1.0
+        and isinstance(cfg.inner.lr, float)
+        and cfg.inner.kind == "b"
+    )
     assert from_dict(Outer, {"betas": [0.8, 0.9]}).betas == (0.8, 0.9)
     assert to_dict(cfg)["inner"] == {"lr": 1.0, "kind": "b"}
 
 
 def test_unknown_key_names_it_and_the_valid_keys():
-    with pytest.raises(ValueError, match=r"unknown config key 'inner.lrr'; valid keys of inner: kind, lr"):
+    with pytest.raises(
+        ValueError, match=r"unknown config key 'inner.lrr'; valid keys of inner: kind, lr"
+    ):
         from_dict(Outer, {"inner": {"lrr": 1}})
 
 
 def test_wrong_type_and_literal():
     with pytest.raises(ValueError, match=r"config key 'steps' must be int, got 'x'"):
         from_dict(Outer, {"steps": "x"})
-    with pytest.raises(ValueError, match=r"config key 'inner.kind' must be one of 'a', 'b', got 'c'"):
+    with pytest.raises(
+        ValueError, match=r"config key 'inner.kind' must be one of 'a', 'b', got 'c'"
+    ):
         from_dict(Outer, {"inner": {"kind": "c"}})
     with pytest.raises(ValueError, match=r"steps' must be int, got True"):
         from_dict(Outer, {"steps": True})

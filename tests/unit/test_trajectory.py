@@ -2,14 +2,29 @@
 
 import pytest
 
-from etude.env.trajectory import Feedback, Flag, ToolCall, ToolError, Trajectory, Turn, read_jsonl, write_jsonl
+from etude.env.trajectory import (
+    Feedback,
+    Flag,
+    ToolCall,
+    ToolError,
+    Trajectory,
+    Turn,
+    read_jsonl,
+    write_jsonl,
+)
 
 
 def make_trajectory() -> Trajectory:
     return Trajectory(
         task_id="t1",
         turns=[
-            Turn(role="user", text="fix it", token_ids=[1, 2, 3], trainable=[0, 0, 0], logprobs=[0.0] * 3),
+            Turn(
+                role="user",
+                text="fix it",
+                token_ids=[1, 2, 3],
+                trainable=[0, 0, 0],
+                logprobs=[0.0] * 3,
+            ),
             Turn(
                 role="assistant",
                 text='<tool_call>{"name": "ls"}</tool_call>',

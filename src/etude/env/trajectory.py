@@ -84,7 +84,9 @@ class Turn:
 
     def __post_init__(self) -> None:
         if self.trainable:
-            assert len(self.trainable) == len(self.token_ids), "trainable mask must align with token_ids"
+            assert len(self.trainable) == len(self.token_ids), (
+                "trainable mask must align with token_ids"
+            )
         if self.logprobs:
             assert len(self.logprobs) == len(self.token_ids), "logprobs must align with token_ids"
 
@@ -158,7 +160,9 @@ class Trajectory:
         return cls(turns=turns, flags=flags, feedback=feedback, **data)
 
 
-def write_jsonl(path: str | Path, trajectories: Iterable[Trajectory], *, append: bool = False) -> None:
+def write_jsonl(
+    path: str | Path, trajectories: Iterable[Trajectory], *, append: bool = False
+) -> None:
     """Write trajectories one per line. A new file is written atomically (temp + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

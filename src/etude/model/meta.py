@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from torch import nn
 
-Kind = Literal["heads_dim0", "heads_dim1", "experts", "matrix", "embedding", "head", "norm", "router", "bias"]
+Kind = Literal[
+    "heads_dim0", "heads_dim1", "experts", "matrix", "embedding", "head", "norm", "router", "bias"
+]
 MUON_KINDS = ("heads_dim0", "heads_dim1", "experts", "matrix")
 
 

@@ -108,7 +108,11 @@ def save_checkpoint(
         os.replace(partial, final)
         _write_text_atomic(ckpt_root / "latest", final.name)
         if keep_last is not None:
-            done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+            done = sorted(
+                p
+                for p in ckpt_root.glob("step_*")
+                if p.is_dir() and not p.name.endswith(".partial")
+            )
             for old in done[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -123,7 +127,9 @@ def load_checkpoint(
     """Load a checkpoint into ``model`` (and ``optimizer``) in place; returns its extra dict."""
     path = Path(path)
     if not (path / "extra.json").is_file():
-        raise ValueError(f"{path} is not a complete etude checkpoint (no extra.json); pass a step_N directory")
+        raise ValueError(
+            f"{path} is not a complete etude checkpoint (no extra.json); pass a step_N directory"
+        )
     state = _app_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
@@ -132,11 +138,15 @@ def load_checkpoint(
     return json.loads((path / "extra.json").read_text())
 
 
-def export_safetensors(model: nn.Module, out_dir: str | Path, config: dict[str, Any]) -> Path | None:
+def export_safetensors(
+    model: nn.Module, out_dir: str | Path, config: dict[str, Any]
+) -> Path | None:
     """Write ``model.safetensors`` (full, unsharded tensors) and ``config.json`` on rank 0."""
     from safetensors.torch import save_file
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if _rank() != 0:
         return None
     out_dir = Path(out_dir)

@@ -94,7 +94,10 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        clean = {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+            for k, v in metrics.items()
+        }
         record = {"step": step, "time": time.time(), **clean}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -109,7 +112,11 @@ class MetricsLogger:
         """Drop records past ``step`` (a resumed run rewrites the steps after its checkpoint)."""
         if not self.enabled or not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        keep = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line and json.loads(line)["step"] <= step
+        ]
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".metrics.")
         with os.fdopen(fd, "w") as f:
             f.write("".join(line + "\n" for line in keep))

@@ -1,0 +1,1 @@
+"""RL for coding agents: rollouts, group-relative advantages, PPO-clip, text-feedback KL."""
