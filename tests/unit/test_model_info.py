@@ -1,0 +1,108 @@
+"""Parameter counts from a meta build: exact arithmetic, real-model agreement, Kimi K2 scale."""
+
+from __future__ import annotations
+
+from etude.model import ModelConfig
+from etude.model.info import PARTS, count_params, format_model_info
+from etude.model.transformer import build_model
+
+
+def hand_cfg(**overrides) -> ModelConfig:
+    fields = dict(
+        vocab_size=100,
+        dim=16,
+        num_layers=3,
+        num_dense_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dense_ffn_dim=40,
+        num_experts=5,
+        num_experts_per_tok=2,
+        expert_ffn_dim=12,
+        num_shared_experts=2,
+    )
+    return ModelConfig.preset("tiny", **{**fields, **overrides})
+
+
+def test_counts_match_hand_arithmetic():
+    counts = count_params(hand_cfg())
+    # V*D each; per layer q,o: 4*8*16, k,v: 2*8*16; dense 3*16*40; per MoE layer routed 3*5*16*12,
+    # shared 3*16*24, router 5*16; norms 2 per layer + final, 16 each
+    want = {
+        "embedding": 1600,
+        "attention": 3 * (512 + 256 + 256 + 512),
+        "dense_ffn": 1920,
+        "shared_experts": 2 * 1152,
+        "routed_experts": 2 * 2880,
+        "router": 2 * 80,
+        "norm": 7 * 16,
+        "head": 1600,
+    }
+    assert counts["by_part"] == want
+    assert counts["total"] == 18064
+    assert counts["active_by_part"]["routed_experts"] == 2 * 2880 * 2 // 5
+    assert counts["active"] == 18064 - 5760 + 2304
+    assert counts["by_kind"] == {
+        "embedding": 1600,
+        "heads_dim0": 3 * 1024,
+        "heads_dim1": 3 * 512,
+        "matrix": 1920 + 2304,
+        "router": 160,
+        "experts": 5760,
+        "norm": 112,
+        "head": 1600,
+    }
+    assert counts["muon_blocks"] == {
+        (8, 16): 3 * (4 + 2 + 2),  # q, k, v heads
+        (16, 8): 3 * 4,  # o heads
+        (40, 16): 2,  # dense w1, w3
+        (16, 40): 1,  # dense w2
+        (16, 12): 2 * 2 * 5,  # expert w1, w3
+        (12, 16): 2 * 5,  # expert w2
+        (24, 16): 2 * 2,  # shared w1, w3
+        (16, 24): 2,  # shared w2
+    }
+
+
+def test_counts_tied_and_dense_variants():
+    tied = count_params(hand_cfg(tie_embeddings=True))
+    assert tied["by_part"]["head"] == 0 and tied["total"] == 18064 - 1600
+    dense = count_params(hand_cfg(num_experts=0))
+    assert dense["by_part"]["routed_experts"] == dense["by_part"]["router"] == 0
+    assert dense["by_part"]["dense_ffn"] == 3 * 1920
+    assert dense["total"] == dense["active"]
+
+
+def test_counts_agree_with_a_real_model():
+    cfg = ModelConfig.preset("tiny")
+    model = build_model(cfg)
+    counts = count_params(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert sum(counts["by_part"].values()) == counts["total"]
+    assert set(counts["by_part"]) == set(PARTS)
+
+
+def test_kimi_k2_counts_on_meta():
+    # fp32 weights would be ~4 TB: finishing at all shows nothing was allocated
+    counts = count_params(ModelConfig.preset("kimi-k2"))
+    assert 1.0e12 < counts["total"] < 1.08e12  # published: ~1.04T (MLA; ours GQA)
+    assert 30e9 < counts["active"] < 38e9  # published: ~32B
+    parts = counts["by_part"]
+    assert parts["routed_experts"] == 60 * 384 * 3 * 7168 * 2048
+    assert parts["embedding"] == parts["head"] == 163840 * 7168
+    assert parts["dense_ffn"] == 3 * 7168 * 18432
+    assert counts["active_by_part"]["routed_experts"] == 60 * 8 * 3 * 7168 * 2048
+    assert counts["muon_blocks"][(7168, 2048)] == 60 * 384 * 2 + 60  # expert w1/w3 + shared w2
+    assert counts["muon_blocks"][(128, 7168)] == 61 * (64 + 8 + 8)
+
+
+def test_format_model_info():
+    text = format_model_info(ModelConfig.preset("kimi-k2"))
+    assert "1,028,298,994,688" in text and "1.03T" in text
+    assert "Kimi K2 as published: ~1.04T total, ~32B active" in text
+    assert "MLA" in text and "approximate" in text
+    assert "7168 x 2048" in text
+    tiny = format_model_info(ModelConfig.preset("tiny"))
+    assert "MLA" not in tiny and f"{count_params(ModelConfig.preset('tiny'))['total']:,}" in tiny
+    assert text.isascii() and tiny.isascii()
