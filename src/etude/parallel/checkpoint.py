@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,9 @@ def save_checkpoint(
         if partial.exists():
             shutil.rmtree(partial)
     _barrier()
-    dcp.save(_app_state(model, optimizer), checkpoint_id=str(partial))
+    with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(_app_state(model, optimizer), checkpoint_id=str(partial))
     if _rank() == 0:
         (partial / "extra.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
     _barrier()  # every rank's shards are on disk before the rename makes them visible
@@ -131,7 +134,9 @@ def load_checkpoint(
             f"{path} is not a complete etude checkpoint (no extra.json); pass a step_N directory"
         )
     state = _app_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
