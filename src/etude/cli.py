@@ -71,6 +71,23 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from etude.monitor.report import monitor_main
+
+    path = Path(args.path)
+    if not path.exists():
+        raise ValueError(
+            f"{path} does not exist; pass a run directory or a trajectories .jsonl file"
+        )
+    monitor_main(
+        path,
+        rules_file=args.rules or "",
+        canaries_file=args.canaries or "",
+        min_severity=args.min_severity,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="etude", description="etude: an open training stack for agentic coding models."
@@ -109,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default="tiny", help="a preset (tiny, small, kimi-k2) or a TOML recipe"
     )
     mp.set_defaults(func=cmd_model_info)
+    sp = sub.add_parser(
+        "monitor", help="audit trajectories for reward hacking; writes monitor.json"
+    )
+    sp.add_argument(
+        "path", help="a run directory (all trajectories*.jsonl under it) or one .jsonl file"
+    )
+    sp.add_argument("--rules", help="TOML/JSON file of extra rules (same id replaces a built-in)")
+    sp.add_argument("--canaries", help="JSON file of honeypot canaries planted in the workspaces")
+    sp.add_argument("--min-severity", type=int, default=3, help="severity counted as a hack (0-4)")
+    sp.set_defaults(func=cmd_monitor)
     return p
 
 
