@@ -1,0 +1,71 @@
+"""Sandboxed command execution for agent tools and test-based rewards.
+
+``make_sandbox(backend, cfg).run(cmd, cwd, timeout=, env=, stdin=) -> Result`` runs untrusted
+code (an agent's shell command, a task's test suite) with the workspace ``cwd`` as the only
+writable place; ``run_pytest`` runs test ids in it and parses per-test outcomes.
+
+What IS contained, per backend:
+
+================================  =====================  =================================
+property                          ``bwrap`` (default)    ``local`` (fallback)
+================================  =====================  =================================
+network                           own net namespace      NOT isolated
+writes outside the workspace      read-only / absent     NOT isolated
+reads outside the workspace       only system + Python   NOT isolated
+hidden paths in the workspace     empty read-only mask   NOT isolated
+/tmp                              private tmpfs          shared (HOME, TMPDIR private)
+processes                         own PID namespace      own session (setsid escapes)
+orphans after the call            killed (namespace)     killed (process group)
+wall-clock timeout                kills the tree         kills the process group
+process count (RLIMIT_NPROC)      per run (leased uid)   yes, but NOT as root
+CPU, address space, file size,    per process rlimits    per process rlimits
+open files
+output                            capped per stream      capped per stream
+================================  =====================  =================================
+
+What is NOT contained by either: total disk use in the workspace (only each file is capped);
+resident memory of the whole process tree (the limit is address space per process); total CPU
+time of the tree (per process; the wall-clock timeout bounds it); the host kernel itself.
+``Sandbox.not_isolated`` lists the gaps of a backend as configured on this host, and the local
+backend warns with that list when constructed.
+"""
+
+from __future__ import annotations
+
+from etude.sandbox.base import Backend, Result, Sandbox, SandboxConfig
+from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
+from etude.sandbox.local import LocalSandbox
+from etude.sandbox.pytest import Outcome, TestRun, run_pytest
+
+__all__ = [
+    "Backend",
+    "BwrapSandbox",
+    "LocalSandbox",
+    "Outcome",
+    "Result",
+    "Sandbox",
+    "SandboxConfig",
+    "TestRun",
+    "make_sandbox",
+    "run_pytest",
+]
+
+
+def make_sandbox(backend: Backend | None = None, cfg: SandboxConfig | None = None) -> Sandbox:
+    """A sandbox for ``backend`` (default ``cfg.backend``): ``auto`` is bwrap where it works.
+
+    When ``auto`` cannot use bubblewrap it returns the local backend, which warns with the
+    reason and everything that is then no longer isolated.
+    """
+    cfg = cfg if cfg is not None else SandboxConfig()
+    choice = backend if backend is not None else cfg.backend
+    if choice == "bwrap":
+        return BwrapSandbox(cfg)
+    if choice == "local":
+        return LocalSandbox(cfg)
+    if choice != "auto":
+        raise ValueError(f"sandbox backend {choice!r} is unknown; use 'auto', 'bwrap' or 'local'")
+    reason = bwrap_unavailable_reason()
+    if reason is None:
+        return BwrapSandbox(cfg)
+    return LocalSandbox(cfg, reason=reason)

@@ -1,0 +1,430 @@
+"""The sandbox contract: configuration, result record, protocol, and the process-tree runner.
+
+Every command an agent or a reward run executes goes through a ``Sandbox``:
+``run(cmd, cwd, timeout=, env=, stdin=) -> Result``. ``cwd`` is the episode's workspace, the only
+place the command may write. The two backends (``bwrap.py``, ``local.py``) differ in how much of
+the host they wall off; both share the runner here, which
+
+- starts the command in its own session (process group) with a clean environment,
+- reads stdout and stderr without deadlock (one selector over both pipes and a pidfd),
+- keeps at most ``max_output_bytes`` per stream (head and tail, with a visible marker between),
+- on the wall-clock deadline SIGKILLs the whole process group, and after a normal exit SIGKILLs
+  what is left of it (orphaned background jobs), always before the leader is reaped so that the
+  group id cannot have been reused by an unrelated process.
+
+What this module does not do: decide what is isolated. See the package docstring for the
+per-backend list of what is and is not contained.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Literal, Protocol, runtime_checkable
+
+Backend = Literal["auto", "bwrap", "local"]
+
+# After the leader exits (or is killed), how long to keep reading pipes that a process which
+# escaped the kill still holds open; only the local backend can have such a process.
+DRAIN_GRACE_S = 0.5
+READ_CHUNK = 1 << 16
+
+
+@dataclass(kw_only=True, slots=True)
+class SandboxConfig:
+    """Limits and visibility of sandboxed commands (TOML section ``[sandbox]``)."""
+
+    backend: Backend = "auto"
+    """``bwrap`` (bubblewrap), ``local`` (plain subprocess), or ``auto`` (bwrap when it works)."""
+    timeout_s: float = 60.0
+    """Wall-clock limit of one command in seconds; the whole process tree is killed after it."""
+    cpu_seconds: int = 60
+    """CPU-time limit per process (RLIMIT_CPU soft limit; SIGXCPU, then SIGKILL one second later)."""
+    memory_bytes: int = 4 << 30
+    """Address-space limit per process (RLIMIT_AS); allocations beyond it fail."""
+    max_processes: int = 128
+    """Processes and threads the command may have at once (RLIMIT_NPROC for the sandbox uid)."""
+    max_file_bytes: int = 256 << 20
+    """Largest file a process may write (RLIMIT_FSIZE)."""
+    max_open_files: int = 1024
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+    max_output_bytes: int = 256 << 10
+    """Bytes kept per stream (stdout, stderr): the head and tail, with a marker where cut."""
+    tmp_bytes: int = 256 << 20
+    """Size of the private /tmp and /dev/shm (tmpfs, bwrap only); it is host memory when used."""
+    hidden_paths: tuple[str, ...] = ()
+    """Workspace-relative paths the command must not read: masked by an empty read-only mount."""
+    extra_ro_paths: tuple[str, ...] = ()
+    """Absolute host paths to show read-only at the same path (bwrap), e.g. another interpreter."""
+    network: bool = False
+    """Allow network access (bwrap keeps the host network namespace and binds resolv.conf)."""
+    env_passthrough: tuple[str, ...] = ()
+    """Names of host environment variables copied into the command's otherwise clean environment."""
+    env: dict[str, str] | None = None
+    """Fixed environment variables for every command (per-call ``env`` overrides them)."""
+    uid_range: tuple[int, int] = (61000, 61512)
+    """Unprivileged uids [start, stop) leased one per concurrent bwrap run when started as root."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "bwrap", "local"):
+            raise ValueError(
+                f"sandbox.backend={self.backend!r} is not a backend; use 'auto', 'bwrap' or 'local'"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"sandbox.timeout_s={self.timeout_s} must be > 0 (seconds)")
+        if self.cpu_seconds < 1:
+            raise ValueError(f"sandbox.cpu_seconds={self.cpu_seconds} must be >= 1")
+        if self.memory_bytes < 32 << 20:
+            raise ValueError(
+                f"sandbox.memory_bytes={self.memory_bytes} is below 32 MiB, less than a Python "
+                "interpreter needs to start; raise it (e.g. 4294967296 for 4 GiB)"
+            )
+        if self.max_processes < 1:
+            raise ValueError(f"sandbox.max_processes={self.max_processes} must be >= 1")
+        if self.max_file_bytes < 1:
+            raise ValueError(f"sandbox.max_file_bytes={self.max_file_bytes} must be >= 1")
+        if self.max_open_files < 16:
+            raise ValueError(
+                f"sandbox.max_open_files={self.max_open_files} is too small to start a program; "
+                "use at least 16"
+            )
+        if self.max_output_bytes < 256:
+            raise ValueError(f"sandbox.max_output_bytes={self.max_output_bytes} must be >= 256")
+        if self.tmp_bytes < 1 << 20:
+            raise ValueError(f"sandbox.tmp_bytes={self.tmp_bytes} must be >= 1 MiB (1048576)")
+        for rel in self.hidden_paths:
+            p = PurePosixPath(rel)
+            if not rel or p.is_absolute() or ".." in p.parts or p == PurePosixPath("."):
+                raise ValueError(
+                    f"sandbox.hidden_paths entry {rel!r} must be a path inside the workspace, "
+                    "relative and without '..' (e.g. 'tests/hidden')"
+                )
+        for path in self.extra_ro_paths:
+            if not PurePosixPath(path).is_absolute():
+                raise ValueError(
+                    f"sandbox.extra_ro_paths entry {path!r} must be an absolute host path"
+                )
+        for name in self.env_passthrough:
+            if not name or "=" in name:
+                raise ValueError(
+                    f"sandbox.env_passthrough entry {name!r} must be a variable name (no '=')"
+                )
+        lo, hi = self.uid_range
+        if not 0 < lo < hi:
+            raise ValueError(
+                f"sandbox.uid_range={self.uid_range} must be [start, stop) with 0 < start < stop"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class Result:
+    """What one sandboxed command did."""
+
+    stdout: str
+    """Standard output (decoded as UTF-8 with replacement), possibly truncated with a marker."""
+    stderr: str
+    """Standard error, same treatment as ``stdout``."""
+    exit_code: int
+    """Exit status; a command ended by signal N reports 128 + N (the shell convention)."""
+    timed_out: bool
+    """The wall-clock limit was reached and the process tree was killed."""
+    duration: float
+    """Wall-clock seconds from start to the reaped exit."""
+    truncated: bool
+    """Either stream exceeded ``max_output_bytes`` and was cut."""
+
+    @property
+    def ok(self) -> bool:
+        """Exited 0 within the time limit."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """Runs commands with the workspace ``cwd`` as the only writable place."""
+
+    config: SandboxConfig
+    name: str
+    """Backend name, ``bwrap`` or ``local``."""
+    not_isolated: tuple[str, ...]
+    """What this backend, as configured on this host, does not contain (for warnings and docs)."""
+
+    def run(
+        self,
+        cmd: Sequence[str] | str,
+        cwd: str | os.PathLike[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> Result:
+        """Run ``cmd`` (argv list, or a string for ``bash -c``) in workspace ``cwd``."""
+        ...
+
+
+def shell_argv(cmd: Sequence[str] | str) -> list[str]:
+    """An argv for ``cmd``: a string runs under bash (sh where bash is missing)."""
+    if isinstance(cmd, str):
+        shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+        return [shell, "-c", cmd]
+    argv = list(cmd)
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"command {cmd!r} must be a non-empty list of strings or a shell string")
+    return argv
+
+
+def resolve_workspace(cwd: str | os.PathLike[str]) -> Path:
+    """The workspace as a resolved absolute path; it must be an existing directory."""
+    path = Path(cwd)
+    if not path.is_dir():
+        raise ValueError(f"sandbox workspace {str(path)!r} is not a directory; create it first")
+    return path.resolve()
+
+
+def resolve_timeout(timeout: float | None, cfg: SandboxConfig) -> float:
+    if timeout is None:
+        return cfg.timeout_s
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout} must be > 0 seconds (or None for sandbox.timeout_s)")
+    return float(timeout)
+
+
+def sandbox_env(
+    cfg: SandboxConfig, extra: Mapping[str, str] | None, *, tmp_dir: str, python_bin: str
+) -> dict[str, str]:
+    """The command's environment: a clean base, passthrough names, ``cfg.env``, then ``extra``.
+
+    ``python_bin`` (the interpreter's bin directory) leads PATH so ``python`` and ``pytest`` are the
+    project's. Bytecode writing is off so that runs leave no ``__pycache__`` in the workspace.
+    """
+    env = {
+        "PATH": f"{python_bin}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": tmp_dir,
+        "TMPDIR": tmp_dir,
+        "USER": "sandbox",
+        "LOGNAME": "sandbox",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONNOUSERSITE": "1",
+    }
+    for name in cfg.env_passthrough:
+        if name in os.environ:
+            env[name] = os.environ[name]
+    env.update(cfg.env or {})
+    env.update(extra or {})
+    bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"sandbox environment variable {bad[0]!r} must map a str to a str")
+    return env
+
+
+def prlimit_argv(cfg: SandboxConfig, nproc: int | None) -> list[str]:
+    """The limits of ``cfg`` as a ``prlimit`` (util-linux) prefix for a command.
+
+    Cheaper than a preexec function (which forces fork instead of vfork) and safe in threaded
+    callers. ``nproc`` is the RLIMIT_NPROC value, or None to leave it alone.
+    """
+    argv = [
+        "prlimit",
+        f"--cpu={cfg.cpu_seconds}:{cfg.cpu_seconds + 1}",
+        f"--as={cfg.memory_bytes}:{cfg.memory_bytes}",
+        f"--fsize={cfg.max_file_bytes}:{cfg.max_file_bytes}",
+        f"--nofile={cfg.max_open_files}:{cfg.max_open_files}",
+        "--core=0:0",
+    ]
+    if nproc is not None:
+        argv.append(f"--nproc={nproc}:{nproc}")
+    return argv + ["--"]
+
+
+def apply_rlimits(cfg: SandboxConfig, nproc: int | None) -> None:
+    """Set the same limits as ``prlimit_argv`` from a preexec function (where prlimit is missing).
+
+    Only setrlimit calls between fork and exec, as a preexec function must.
+    """
+    resource.setrlimit(resource.RLIMIT_CPU, (cfg.cpu_seconds, cfg.cpu_seconds + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (cfg.memory_bytes, cfg.memory_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cfg.max_file_bytes, cfg.max_file_bytes))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg.max_open_files, cfg.max_open_files))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if nproc is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+
+
+def python_bin_dir() -> str:
+    """Directory of the running interpreter's ``python`` (the venv's ``bin`` in a venv)."""
+    return os.path.dirname(os.path.abspath(sys.executable))
+
+
+class _CappedStream:
+    """Keeps the first and last bytes of a stream within ``cap`` and counts the rest."""
+
+    __slots__ = ("head", "tail", "total", "head_cap", "tail_cap")
+
+    def __init__(self, cap: int) -> None:
+        self.tail_cap = cap // 2
+        self.head_cap = cap - self.tail_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            # trim lazily (amortized O(1) per byte); only the last tail_cap bytes survive
+            if len(self.tail) > 2 * self.tail_cap:
+                del self.tail[: len(self.tail) - self.tail_cap]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.head_cap + self.tail_cap
+
+    def text(self, name: str) -> str:
+        if not self.truncated:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace")
+        tail = bytes(self.tail[len(self.tail) - self.tail_cap :]) if self.tail_cap else b""
+        dropped = self.total - len(self.head) - len(tail)
+        marker = (
+            f"\n[... {dropped} bytes of {name} truncated by the sandbox "
+            f"(max_output_bytes={self.head_cap + self.tail_cap}) ...]\n"
+        )
+        return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _leader_exited(pid: int) -> bool:
+    """Whether ``pid`` has exited, without reaping it (it stays a zombie, its pgid stays ours)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def run_process_tree(
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    stdin: str | None,
+    timeout_s: float,
+    max_output_bytes: int,
+    preexec_fn: Callable[[], None] | None = None,
+) -> Result:
+    """Run ``argv`` in a new session; kill its process group on the deadline and after it exits.
+
+    The leader is reaped only at the very end, so every ``killpg`` targets our group: a group id
+    stays allocated while its leader is an unreaped zombie.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    stdin_file = None
+    if stdin is not None:  # a file, not a pipe: no writer thread, no deadlock on large input
+        stdin_file = tempfile.TemporaryFile()
+        stdin_file.write(stdin.encode())
+        stdin_file.seek(0)
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+            close_fds=True,
+        )
+    except OSError as e:  # the program is missing or not executable: report it as a shell would
+        return Result(
+            stdout="",
+            stderr=f"{argv[0]}: {e.strerror}\n",
+            exit_code=127 if isinstance(e, FileNotFoundError) else 126,
+            timed_out=False,
+            duration=time.monotonic() - start,
+            truncated=False,
+        )
+    finally:
+        if stdin_file is not None:
+            stdin_file.close()
+    assert proc.stdout is not None and proc.stderr is not None
+    streams = {
+        proc.stdout.fileno(): _CappedStream(max_output_bytes),
+        proc.stderr.fileno(): _CappedStream(max_output_bytes),
+    }
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    sel = selectors.DefaultSelector()
+    for fd in streams:
+        sel.register(fd, selectors.EVENT_READ)
+    # a pidfd turns "the leader exited" into a selectable event (Linux >= 5.3); else poll
+    pidfd = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
+    if pidfd is not None:
+        sel.register(pidfd, selectors.EVENT_READ)
+    open_fds = set(streams)
+    exited = timed_out = False
+    drain_until: float | None = None
+    try:
+        while open_fds or not exited:
+            now = time.monotonic()
+            limit = drain_until if drain_until is not None else deadline
+            if now >= limit:
+                if drain_until is not None:
+                    break  # a process that escaped the kill still holds a pipe: stop reading
+                timed_out = True
+                _kill_group(proc.pid)
+                drain_until = now + DRAIN_GRACE_S
+                continue
+            wait = limit - now if pidfd is not None or exited else min(limit - now, 0.005)
+            for key, _ in sel.select(wait):
+                if key.fd == pidfd:
+                    continue
+                data = os.read(key.fd, READ_CHUNK)
+                if data:
+                    streams[key.fd].feed(data)
+                else:
+                    sel.unregister(key.fd)
+                    open_fds.discard(key.fd)
+            if not exited and _leader_exited(proc.pid):
+                exited = True
+                if pidfd is not None:
+                    sel.unregister(pidfd)
+                _kill_group(proc.pid)  # orphans left in the group
+                if drain_until is None:
+                    drain_until = time.monotonic() + DRAIN_GRACE_S
+        if not exited:
+            _kill_group(proc.pid)
+        returncode = proc.wait()
+    finally:
+        if proc.returncode is None:
+            _kill_group(proc.pid)
+            proc.wait()
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        proc.stdout.close()
+        proc.stderr.close()
+    out, err = streams[out_fd], streams[err_fd]
+    return Result(
+        stdout=out.text("stdout"),
+        stderr=err.text("stderr"),
+        exit_code=returncode if returncode >= 0 else 128 - returncode,
+        timed_out=timed_out,
+        duration=time.monotonic() - start,
+        truncated=out.truncated or err.truncated,
+    )

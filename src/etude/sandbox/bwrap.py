@@ -1,0 +1,399 @@
+"""The bubblewrap backend: each command in fresh namespaces with only the workspace writable.
+
+One ``bwrap`` invocation per command builds a new mount, PID, IPC, UTS, cgroup and (unless
+``network``) network namespace over an empty tmpfs root, then shows in it:
+
+- ``/usr`` and the merged-usr links (``/bin``, ``/lib``...), read-only; an ``/etc`` holding only
+  what programs need (loader cache, alternatives, passwd/group, TLS roots), read-only: a copy of
+  those world-readable host files, built once per content and bound with one mount;
+- the running interpreter's installation, read-only at its own paths: ``sys.prefix`` (the venv),
+  ``sys.base_prefix`` (its base Python), plus ``extra_ro_paths``;
+- ``/proc`` of the new PID namespace, a minimal ``/dev``, a private ``/tmp`` and ``/dev/shm``
+  (size-capped tmpfs);
+- the workspace, read-write, **at its own host path** (not a fixed ``/workspace``), so paths in
+  tracebacks, pytest node ids and tool output agree inside and outside the sandbox;
+- over each existing ``hidden_paths`` entry an empty read-only mount: a tmpfs for a directory,
+  ``/dev/null`` for a file. Mounts copied into a nested user namespace are locked by the kernel,
+  so a command cannot unmount a mask to look underneath.
+
+Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes, file
+size, open files, no core files). Root ignores RLIMIT_NPROC, also inside a user namespace that
+maps back to root, so when etude runs as root the command is started by ``setpriv`` as an
+unprivileged uid leased for the run from ``uid_range`` (one uid per concurrent run, so the process
+limit counts that run alone). For that uid to write, the workspace is chowned to it for the run
+and back to the owner of the workspace directory afterwards: the workspace must be a dedicated
+episode directory, and runs on one workspace are serialized. Started as a normal user, bwrap
+makes a user namespace itself (nested ones are disabled), and the kernel counts the processes of
+the limit per namespace; set outside bwrap, RLIMIT_NPROC would count all of the user's processes.
+
+``--die-with-parent`` and the PID namespace tie every process to the run: when the command ends
+(or is killed on the deadline) the namespace's init exits and the kernel kills the rest.
+
+What this backend does not contain: total disk use in the workspace (only each file's size is
+capped); memory of the whole tree (the limit is address space per process); CPU time of the whole
+tree (per process; the wall-clock timeout bounds the sum); the host kernel's attack surface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import random
+import shutil
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from etude.sandbox.base import (
+    Result,
+    SandboxConfig,
+    prlimit_argv,
+    python_bin_dir,
+    resolve_timeout,
+    resolve_workspace,
+    run_process_tree,
+    sandbox_env,
+    shell_argv,
+)
+
+MERGED_USR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# What ordinary programs read from /etc: the dynamic loader, Debian alternatives (awk, editor...),
+# user and host name lookup, locale and time zone, TLS roots. Not the rest (keys, configs). The
+# sandbox gets copies of the world-readable ones.
+ETC_FILES = (
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/host.conf",
+    "/etc/protocols",
+    "/etc/services",
+    "/etc/localtime",
+    "/etc/mime.types",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/pki",
+)
+NETWORK_ETC_FILES = ("/etc/resolv.conf", "/etc/gai.conf")
+# never a workspace: the sandbox may write there and, as root, the tree is chowned for the run
+SHARED_DIRS = frozenset(
+    ["/", "/tmp", "/var", "/var/tmp", "/home", "/root", "/usr", "/etc", "/opt", "/srv", "/mnt"]
+    + ["/media", "/run", "/boot", "/sys", "/proc", "/dev", "/dev/shm"]
+)
+WORKSPACE_LOCK_STRIPES = 1024
+STATE_DIR = Path(tempfile.gettempdir()) / f"etude-sandbox-{os.getuid()}"
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b/c`` -> ``["/a", "/a/b"]``."""
+    parts = Path(path).parts[1:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+class BwrapSandbox:
+    """Runs each command under bubblewrap; see the module docstring for what is contained."""
+
+    name = "bwrap"
+
+    def __init__(self, cfg: SandboxConfig | None = None) -> None:
+        self.config = cfg if cfg is not None else SandboxConfig(backend="bwrap")
+        missing = [t for t in self._tools() if shutil.which(t) is None]
+        if missing:
+            raise ValueError(
+                f"sandbox backend 'bwrap' needs {', '.join(missing)} on PATH; install bubblewrap "
+                "and util-linux (`make system-deps`, or apt-get install bubblewrap) or set "
+                "sandbox.backend='local'"
+            )
+        for path in self.config.extra_ro_paths:
+            if not os.path.exists(path):
+                raise ValueError(
+                    f"sandbox.extra_ro_paths entry {path!r} does not exist on this host"
+                )
+        self._as_root = os.geteuid() == 0
+        self._python_bin = python_bin_dir()
+        self._ro_roots: list[str] = []
+        self._dirs_made: set[str] = set()
+        self._static_args = self._build_static_args()
+        self.not_isolated = (
+            "disk use in the workspace (only each file's size is capped, by max_file_bytes)",
+            "memory of the whole process tree (the limit is address space per process)",
+            "CPU time of the whole tree (per process; the wall-clock timeout bounds the sum)",
+            "the host kernel (shared; a kernel exploit escapes any namespace)",
+        ) + (
+            (
+                "nested user namespaces (as root the sandbox uid may create them: more kernel "
+                "surface, though mounts stay locked)",
+            )
+            if self._as_root
+            else ()
+        )
+
+    def _tools(self) -> tuple[str, ...]:
+        return ("bwrap", "prlimit", "setpriv") if os.geteuid() == 0 else ("bwrap", "prlimit")
+
+    def _mkdirs_for(self, dest: str, made: set[str]) -> list[str]:
+        """``--dir`` arguments (mode 0755) for the parents of ``dest`` not in ``made`` (updated).
+
+        bwrap would create them mode 0700 owned by root, which the sandbox uid cannot traverse.
+        """
+        args: list[str] = []
+        for parent in _ancestors(dest):
+            if parent in made or any(_is_within(parent, r) for r in self._ro_roots):
+                continue
+            made.add(parent)
+            args += ["--perms", "0755", "--dir", parent]
+        return args
+
+    def _ro_bind(self, src: str, dest: str) -> list[str]:
+        if any(_is_within(dest, r) for r in self._ro_roots):
+            return []  # already visible through a bound parent
+        args = self._mkdirs_for(dest, self._dirs_made) + ["--ro-bind", src, dest]
+        self._ro_roots.append(dest)
+        return args
+
+    def _build_static_args(self) -> list[str]:
+        cfg = self.config
+        args = ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if not cfg.network:
+            args.append("--unshare-net")
+        if not self._as_root:
+            # unprivileged bwrap always makes a user namespace; forbid nested ones inside it
+            args += ["--unshare-user", "--disable-userns"]
+        args += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]
+        args += self._ro_bind("/usr", "/usr")
+        for d in MERGED_USR_DIRS:
+            if os.path.islink(d):
+                args += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                args += self._ro_bind(d, d)
+        etc = private_etc(ETC_FILES + (NETWORK_ETC_FILES if cfg.network else ()))
+        args += self._ro_bind(str(etc), "/etc")
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        for tmp in ("/tmp", "/dev/shm"):
+            args += ["--perms", "1777", "--size", str(cfg.tmp_bytes), "--tmpfs", tmp]
+        self._dirs_made.update({"/tmp", "/dev", "/proc"})
+        prefixes = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]
+        for path in dict.fromkeys([*prefixes, *cfg.extra_ro_paths]):
+            dest = os.path.abspath(path)
+            args += self._ro_bind(os.path.realpath(dest), dest)
+        return args
+
+    def _check_workspace(self, ws: Path) -> None:
+        path = str(ws)
+        if path in SHARED_DIRS or path == os.path.expanduser("~"):
+            raise ValueError(
+                f"sandbox workspace {path!r} is a shared system directory; it would be writable "
+                "by (and, as root, chowned to) the sandbox: use a dedicated episode directory"
+            )
+        for root in self._ro_roots + ["/proc", "/dev"]:
+            if _is_within(path, root) or _is_within(root, path):
+                raise ValueError(
+                    f"sandbox workspace {path!r} overlaps the read-only system path {root!r}; "
+                    "use a dedicated episode directory (e.g. under /tmp)"
+                )
+
+    def _masks(self, ws: Path) -> list[str]:
+        """Empty read-only mounts over the hidden paths that exist in the workspace now."""
+        args: list[str] = []
+        for rel in self.config.hidden_paths:
+            target = ws / rel
+            if not os.path.lexists(target):
+                continue
+            real = os.path.realpath(target)
+            if not _is_within(real, str(ws)):
+                continue  # a link leading out of the workspace: nothing of the workspace is there
+            if os.path.isdir(real):
+                args += ["--perms", "0555", "--tmpfs", real, "--remount-ro", real]
+            else:
+                args += ["--ro-bind", "/dev/null", real]
+        return args
+
+    def command(self, argv: list[str], ws: Path, uid: int | None) -> list[str]:
+        """The full bwrap argv for ``argv`` in workspace ``ws`` (as ``uid`` when given)."""
+        args = [*self._static_args, *self._mkdirs_for(str(ws), set(self._dirs_made))]
+        args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws), "--"]
+        if uid is not None:
+            args += [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                "--no-new-privs",
+                "--bounding-set=-all",
+                "--",
+            ]
+        return args + prlimit_argv(self.config, self.config.max_processes) + argv
+
+    def run(
+        self,
+        cmd: Sequence[str] | str,
+        cwd: str | os.PathLike[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> Result:
+        """Run ``cmd`` in workspace ``cwd`` under bubblewrap (see the module docstring)."""
+        argv = shell_argv(cmd)
+        ws = resolve_workspace(cwd)
+        self._check_workspace(ws)
+        timeout_s = resolve_timeout(timeout, self.config)
+        run_env = sandbox_env(self.config, env, tmp_dir="/tmp", python_bin=self._python_bin)
+        run = functools.partial(
+            run_process_tree,
+            cwd=ws,
+            env=run_env,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            max_output_bytes=self.config.max_output_bytes,
+        )
+        if not self._as_root:
+            return run(self.command(argv, ws, None))
+        with _workspace_lock(ws), _lease_uid(*self.config.uid_range) as uid:
+            owner = os.stat(ws)
+            chown_tree(ws, uid, uid)
+            try:
+                return run(self.command(argv, ws, uid))
+            finally:
+                chown_tree(ws, owner.st_uid, owner.st_gid)
+
+
+def _copy_readable(src: str, dest: str) -> None:
+    """Copy ``src`` to ``dest`` keeping symlinks as links and skipping what others cannot read."""
+    st = os.lstat(src)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dest)
+    elif stat.S_ISDIR(st.st_mode):
+        if st.st_mode & 0o005 != 0o005:
+            return  # e.g. /etc/ssl/private
+        os.mkdir(dest, 0o755)
+        for name in sorted(os.listdir(src)):
+            _copy_readable(os.path.join(src, name), os.path.join(dest, name))
+    elif stat.S_ISREG(st.st_mode) and st.st_mode & 0o004:
+        shutil.copyfile(src, dest)
+        os.chmod(dest, 0o644)
+
+
+def _fingerprint(paths: Sequence[str]) -> str:
+    """A hash of names, modes, sizes, times and link targets of everything ``private_etc`` copies."""
+    h = hashlib.sha256()
+
+    def add(path: str) -> None:
+        st = os.lstat(path)
+        link = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
+        h.update(f"{path}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{link}\n".encode())
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o005 == 0o005:
+            for name in sorted(os.listdir(path)):
+                add(os.path.join(path, name))
+
+    for path in paths:
+        if os.path.lexists(path):
+            add(path)
+    return h.hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=4)
+def private_etc(paths: tuple[str, ...]) -> Path:
+    """A directory holding copies of the world-readable ``/etc`` entries in ``paths``.
+
+    Content-addressed under the state directory and built at most once per content: one bind of
+    it costs a tenth of binding each file (every mount is ~0.2 ms of bwrap start-up).
+    """
+    assert all(p.startswith("/etc/") for p in paths), paths
+    STATE_DIR.mkdir(mode=0o700, exist_ok=True)
+    target = STATE_DIR / f"etc-{_fingerprint(paths)}"
+    if target.is_dir():
+        return target
+    staging = Path(tempfile.mkdtemp(prefix="etc-staging-", dir=STATE_DIR))
+    os.chmod(staging, 0o755)
+    for path in paths:
+        if os.path.lexists(path):
+            _copy_readable(path, str(staging / os.path.basename(path)))
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process built the same content first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    """Give ``root`` and everything under it to ``uid:gid`` without following symlinks."""
+    os.lchown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            with contextlib.suppress(FileNotFoundError):
+                os.lchown(os.path.join(dirpath, name), uid, gid)
+
+
+@contextlib.contextmanager
+def _flock(path: Path, *, blocking: bool) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``path``; yields False when non-blocking and taken.
+
+    flock locks belong to the open file, so threads of one process exclude each other too, and a
+    crashed holder releases its locks with its file descriptors.
+    """
+    STATE_DIR.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            held = True
+        except BlockingIOError:
+            held = False
+        yield held
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _workspace_lock(ws: Path) -> Iterator[None]:
+    """Serialize runs on ``ws`` (their chowns would interleave).
+
+    Striped over a fixed set of lock files so that episodes do not leave one file each behind;
+    two workspaces sharing a stripe only wait for each other.
+    """
+    stripe = int(hashlib.sha256(str(ws).encode()).hexdigest(), 16) % WORKSPACE_LOCK_STRIPES
+    with _flock(STATE_DIR / f"workspace-{stripe}.lock", blocking=True):
+        yield
+
+
+@contextlib.contextmanager
+def _lease_uid(start: int, stop: int) -> Iterator[int]:
+    """An unprivileged uid in [start, stop) that no other run on this host holds right now."""
+    candidates = list(range(start, stop))
+    offset = random.randrange(len(candidates))
+    while True:
+        for uid in candidates[offset:] + candidates[:offset]:
+            with _flock(STATE_DIR / f"uid-{uid}.lock", blocking=False) as held:
+                if held:
+                    yield uid
+                    return
+        time.sleep(0.05)  # every uid of the range is in use: wait for a run to finish
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_unavailable_reason() -> str | None:
+    """None when a bwrap sandbox runs a command on this host, else why it cannot (cached)."""
+    try:
+        sandbox = BwrapSandbox(SandboxConfig(backend="bwrap"))
+    except ValueError as e:
+        return str(e)
+    with tempfile.TemporaryDirectory(prefix="etude-bwrap-probe-") as tmp:
+        result = sandbox.run(["true"], tmp, timeout=30)
+    if result.exit_code != 0:
+        return f"probe `bwrap ... true` exited {result.exit_code}: {result.stderr.strip()[:300]}"
+    return None
