@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default="tiny", help="a preset (tiny, small, kimi-k2) or a TOML recipe"
     )
     mp.set_defaults(func=cmd_model_info)
+
     sp = sub.add_parser(
         "monitor", help="audit trajectories for reward hacking; writes monitor.json"
     )
@@ -136,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--canaries", help="JSON file of honeypot canaries planted in the workspaces")
     sp.add_argument("--min-severity", type=int, default=3, help="severity counted as a hack (0-4)")
     sp.set_defaults(func=cmd_monitor)
+
+    # subsystems register their own subcommands; these imports are argparse-only (no torch)
+    from etude.plan.report import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 
