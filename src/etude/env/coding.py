@@ -1,0 +1,435 @@
+"""One coding-agent episode: a task's workspace, the tools, the token bookkeeping, the reward.
+
+``CodingEnv(task, cfg, tokenizer=..., base_dir=...)`` turns a task record into an episode:
+
+- ``reset()`` copies the task's broken workspace into a fresh episode directory (a temp dir:
+  ``EPISODE/workspace``, plus ``EPISODE/original`` when the workspace is an archive), renders the
+  system prompt (the instructions and the tool schemas, ``chat.tools_system_prompt``) and the
+  user prompt (the problem statement), and opens the first assistant turn
+  (``<|im_start|>assistant\\n``). ``env.prompt_ids`` is then exactly what the engine continues.
+- ``step(text)`` (a scripted agent) or ``step(token_ids=..., logprobs=...)`` (the engine's output,
+  ending with ``<|im_end|>``) appends the assistant turn, runs its tool calls
+  (``etude.env.protocol``), appends one ``tool`` message per call, and, unless the episode is
+  over, opens the next assistant turn. Text is encoded as the chat template encodes an assistant
+  message (tool-call markers as their special ids, then ``<|im_end|>``), so a text step and an
+  ids step with those ids leave identical ids and masks. Everything is appended; no id is ever
+  re-rendered.
+- The episode ends on ``submit``; after ``max_turns`` assistant turns; when the conversation
+  reaches ``max_tokens`` (an assistant turn that ends at or past the budget, or that was cut
+  before ``<|im_end|>``, runs no tools); or after ``wall_clock_s`` seconds from ``reset`` (no
+  further tool call starts, and each call's timeout is capped by the time left). The last
+  turn's observations may take the conversation past ``max_tokens``; they are never trained on.
+- ``finish()`` scores the final workspace (``etude.env.reward``: tests restored, fresh sandbox)
+  whatever ended the episode, and returns the `Trajectory`: every message as a `Turn` with its
+  ids, trainable mask (1 on the assistant's generated ids and ``<|im_end|>`` only), behavior
+  logprobs (0.0 where not given or not trainable), parsed calls and typed errors.
+- ``close()`` removes the episode directory (the env is a context manager).
+
+What this module does not do: generate (``etude.engine``), batch episodes (``etude.env.pool``),
+detect hacks (``etude.monitor``) or decide which turns get hints (``etude.rl.feedback``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from etude.env.protocol import append_results, run_turn, turn_record
+from etude.env.reward import compute_reward, copy_workspace, remove_tree
+from etude.env.tools import Toolbox, ToolConfig, tool_schemas
+from etude.env.trajectory import ToolCall, ToolError, Trajectory
+from etude.model.chat import Conversation, Span, encode_header, tools_system_prompt
+from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
+from etude.sandbox import SandboxConfig, make_sandbox
+from etude.tasks.record import TaskRecord, is_archive, resolve_workspace
+
+DEFAULT_INSTRUCTIONS = (
+    "You are a coding agent working in a Python repository; its root is your working directory. "
+    "You act only through tool calls. Read the code and the tests, make the change the task asks "
+    "for, run the tests, and call submit when you are done. The tests are the specification: do "
+    "not edit them, change the code."
+)
+FINISH_REASONS = ("submit", "max_turns", "max_tokens", "timeout")
+_ASSISTANT_MARKERS = (TOOL_CALL_START, TOOL_CALL_END)
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    """Limits and setup of coding episodes (TOML section ``[env]``)."""
+
+    max_turns: int = 30
+    """Assistant turns per episode."""
+    max_tokens: int = 16_384
+    """Tokens per episode, prompts included; the engine should generate at most ``tokens_left``."""
+    wall_clock_s: float = 1800.0
+    """Seconds from reset after which no tool call starts and the episode ends."""
+    reward_timeout_s: float = 300.0
+    """Wall-clock limit of the reward's test run."""
+    instructions: str = DEFAULT_INSTRUCTIONS
+    """Text that opens the system prompt, before the tool declarations."""
+    work_dir: str = ""
+    """Directory for episode and scoring directories (empty: the system temp directory)."""
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    """Output caps and timeouts of the tools."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Backend and limits of every command; the task's hidden paths are added per episode."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns={self.max_turns} must be >= 1")
+        if self.max_tokens < 64:
+            raise ValueError(
+                f"env.max_tokens={self.max_tokens} leaves no room for a prompt; use at least 64 "
+                "(thousands in practice)"
+            )
+        if not self.wall_clock_s > 0:
+            raise ValueError(f"env.wall_clock_s={self.wall_clock_s} must be > 0 seconds")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"env.reward_timeout_s={self.reward_timeout_s} must be > 0 seconds")
+        if self.work_dir and not os.path.isdir(self.work_dir):
+            raise ValueError(
+                f"env.work_dir={self.work_dir!r} is not a directory; create it or leave it empty "
+                "for the system temp directory"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class StepResult:
+    """What one assistant turn led to."""
+
+    observations: list[str]
+    """Texts of the messages appended after the turn (tool results, or the protocol reminder)."""
+    done: bool
+    finish_reason: str
+    """One of `FINISH_REASONS` when done, else empty."""
+    tool_calls: list[ToolCall]
+    errors: list[ToolError]
+    num_tokens: int
+    """Length of the conversation now."""
+
+    @property
+    def observation(self) -> str:
+        return "\n\n".join(self.observations)
+
+
+class Agent(Protocol):
+    """A scripted policy: the next assistant text from the last step's result."""
+
+    def act(self, last: StepResult | None) -> str:
+        """The next assistant message; ``last`` is None for the first turn."""
+        ...
+
+    def episode_info(self) -> dict[str, Any]:
+        """Metadata merged into the trajectory's ``info`` when the episode is scored."""
+        ...
+
+
+def _dir_prefix(instance_id: str) -> str:
+    return "etude-episode-" + re.sub(r"[^A-Za-z0-9_.-]", "_", instance_id)[:40] + "-"
+
+
+class CodingEnv:
+    """One episode of a task at a time (see the module docstring).
+
+    ``base_dir`` is the directory the record's relative ``etude.workspace`` is resolved against
+    (the directory of its tasks.jsonl). ``clock`` is the time source of the wall-clock limit.
+    """
+
+    def __init__(
+        self,
+        task: TaskRecord,
+        cfg: EnvConfig | None = None,
+        *,
+        tokenizer: Tokenizer,
+        base_dir: str | os.PathLike[str] = ".",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if task.etude is None:
+            raise ValueError(
+                f"task {task.instance_id!r} has no etude.workspace; CodingEnv needs a record "
+                "whose workspace is a directory or archive on disk"
+            )
+        if not task.FAIL_TO_PASS and not task.PASS_TO_PASS:
+            raise ValueError(f"task {task.instance_id!r} has no tests to reward with")
+        self.task = task
+        self.cfg = cfg if cfg is not None else EnvConfig()
+        self.tokenizer = tokenizer
+        self.base_dir = Path(base_dir)
+        self._clock = clock
+        self._header_len = len(encode_header(tokenizer, "assistant"))
+        self._episode_dir: Path | None = None
+        self._original: Path | None = None
+        self._toolbox: Toolbox | None = None
+        self._conversation: Conversation | None = None
+        self._trajectory: Trajectory | None = None
+        self._header_start = 0
+        self._started = 0.0
+        self._num_assistant_turns = 0
+        self._finish_reason = ""
+        self._scored = False
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def conversation(self) -> Conversation:
+        if self._conversation is None:
+            raise ValueError("no episode: call reset() first")
+        return self._conversation
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The episode so far (scored by `finish`)."""
+        if self._trajectory is None:
+            raise ValueError("no episode: call reset() first")
+        return self._trajectory
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The ids to continue: the whole conversation, ending with an open assistant header."""
+        return self.conversation.ids
+
+    @property
+    def tokens_left(self) -> int:
+        """How many ids the next assistant turn may have before the episode hits max_tokens."""
+        return max(self.cfg.max_tokens - len(self.conversation), 0)
+
+    @property
+    def done(self) -> bool:
+        return bool(self._finish_reason)
+
+    @property
+    def finish_reason(self) -> str:
+        return self._finish_reason
+
+    @property
+    def workspace(self) -> Path:
+        """The episode's workspace directory (what the agent changes)."""
+        if self._episode_dir is None:
+            raise ValueError("no episode: call reset() first")
+        return self._episode_dir / "workspace"
+
+    @property
+    def episode_dir(self) -> Path | None:
+        return self._episode_dir
+
+    # ------------------------------------------------------------ lifecycle
+
+    def reset(self) -> Conversation:
+        """Start a new episode (removing the previous one's directory); returns the conversation."""
+        self.close()
+        etude = self.task.etude
+        assert etude is not None
+        episode_dir = Path(
+            tempfile.mkdtemp(
+                prefix=_dir_prefix(self.task.instance_id), dir=self.cfg.work_dir or None
+            )
+        )
+        self._episode_dir = episode_dir
+        try:
+            source = Path(etude.workspace)
+            if is_archive(source):
+                self._original = resolve_workspace(
+                    self.task, self.base_dir, dest=episode_dir / "original"
+                )
+            else:
+                self._original = resolve_workspace(self.task, self.base_dir)
+            copy_workspace(self._original, episode_dir / "workspace")
+            hidden = tuple(dict.fromkeys([*self.cfg.sandbox.hidden_paths, *etude.hidden_paths]))
+            sandbox_cfg = dataclasses.replace(self.cfg.sandbox, hidden_paths=hidden)
+            self._toolbox = Toolbox(
+                episode_dir / "workspace",
+                sandbox=make_sandbox(None, sandbox_cfg),
+                cfg=self.cfg.tools,
+                test_ids=[*self.task.FAIL_TO_PASS, *self.task.PASS_TO_PASS],
+                hidden_paths=hidden,
+            )
+            self._start_conversation()
+        except BaseException:
+            self.close()
+            raise
+        return self.conversation
+
+    def _start_conversation(self) -> None:
+        conversation = Conversation(self.tokenizer)
+        trajectory = Trajectory(task_id=self.task.instance_id)
+        system = tools_system_prompt(tool_schemas(), preamble=self.cfg.instructions)
+        for role, text in (("system", system), ("user", self.task.problem_statement)):
+            span = conversation.add_message(role, text)
+            trajectory.turns.append(turn_record(conversation, span, role, text))
+        prompt_len = len(conversation) + self._header_len
+        if prompt_len >= self.cfg.max_tokens:
+            raise ValueError(
+                f"the prompt of task {self.task.instance_id!r} is {prompt_len} tokens, not below "
+                f"env.max_tokens={self.cfg.max_tokens}; raise env.max_tokens"
+            )
+        self._conversation = conversation
+        self._trajectory = trajectory
+        self._header_start = conversation.add_generation_prompt().start
+        self._num_assistant_turns = 0
+        self._finish_reason = ""
+        self._scored = False
+        self._started = self._clock()
+
+    def step(
+        self,
+        text: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        logprobs: Sequence[float] | None = None,
+    ) -> StepResult:
+        """Append one assistant turn, run its tool calls, append their results.
+
+        Give either ``text`` (encoded like an assistant message, ``<|im_end|>`` added) or the
+        generated ``token_ids`` (ending with ``<|im_end|>`` unless the generation was cut) with
+        their behavior ``logprobs`` (one per id; default 0.0).
+        """
+        conversation = self.conversation
+        if self.done:
+            raise ValueError(
+                f"the episode is over ({self._finish_reason}); call finish() or reset()"
+            )
+        if (text is None) == (token_ids is None):
+            raise ValueError("pass exactly one of text or token_ids to step()")
+        if text is not None:
+            if logprobs is not None:
+                raise ValueError("logprobs go with token_ids, not with text")
+            ids = [
+                *self.tokenizer.encode(text, allow_special=_ASSISTANT_MARKERS),
+                self.tokenizer.im_end_id,
+            ]
+            behavior = [0.0] * len(ids)
+        else:
+            ids = [int(i) for i in token_ids]
+            behavior = [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
+            if len(behavior) != len(ids):
+                raise ValueError(
+                    f"logprobs has {len(behavior)} entries for {len(ids)} token ids; give one per id"
+                )
+        gen_span = conversation.add_generated(ids)
+        start = self._header_start
+        # the turn spans header, generated ids and (when closed) the separator
+        turn = turn_record(
+            conversation,
+            Span(start, len(conversation)),
+            "assistant",
+            conversation.messages[-1].content,
+        )
+        offset = gen_span.start - start
+        turn.logprobs[offset : offset + len(behavior)] = behavior
+        self.trajectory.turns.append(turn)
+        self._num_assistant_turns += 1
+
+        observations: list[str] = []
+        if conversation.turn_open or len(conversation) >= self.cfg.max_tokens:
+            reason = "max_tokens"
+        else:
+            result = run_turn(
+                turn.text,
+                self._toolbox_or_fail(),
+                deadline=self._started + self.cfg.wall_clock_s,
+                clock=self._clock,
+            )
+            turn.tool_calls = list(result.calls)
+            turn.errors = list(result.errors)
+            for record in append_results(conversation, result):
+                self.trajectory.turns.append(record)
+                observations.append(record.text)
+            if result.submitted:
+                reason = "submit"
+            elif result.timed_out or self._clock() >= self._started + self.cfg.wall_clock_s:
+                reason = "timeout"
+            elif len(conversation) + self._header_len >= self.cfg.max_tokens:
+                reason = "max_tokens"
+            elif self._num_assistant_turns >= self.cfg.max_turns:
+                reason = "max_turns"
+            else:
+                reason = ""
+        self._finish_reason = reason
+        if not reason:
+            self._header_start = conversation.add_generation_prompt().start
+        return StepResult(
+            observations=observations,
+            done=bool(reason),
+            finish_reason=reason,
+            tool_calls=list(turn.tool_calls),
+            errors=list(turn.errors),
+            num_tokens=len(conversation),
+        )
+
+    def _toolbox_or_fail(self) -> Toolbox:
+        if self._toolbox is None:
+            raise ValueError("the episode directory was closed; call reset() for a new episode")
+        return self._toolbox
+
+    def finish(self) -> Trajectory:
+        """Score the final workspace and return the finished trajectory (idempotent)."""
+        trajectory = self.trajectory
+        if not self.done:
+            raise ValueError(
+                "the episode is not over: step() until StepResult.done before finish()"
+            )
+        if self._scored:
+            return trajectory
+        if self._episode_dir is None or self._original is None:
+            raise ValueError("the episode directory was closed before finish(); nothing to score")
+        result = compute_reward(
+            self.task,
+            self.workspace,
+            original=self._original,
+            sandbox=self.cfg.sandbox,
+            timeout=self.cfg.reward_timeout_s,
+            work_dir=self.cfg.work_dir or None,
+        )
+        errors = Counter(e.kind for _, t in trajectory.assistant_turns() for e in t.errors)
+        trajectory.reward = result.reward
+        trajectory.tests = dict(result.tests)
+        trajectory.finish_reason = self._finish_reason
+        trajectory.info.update(
+            num_assistant_turns=self._num_assistant_turns,
+            num_tool_calls=sum(len(t.tool_calls) for _, t in trajectory.assistant_turns()),
+            num_tokens=len(self.conversation),
+            error_counts=dict(sorted(errors.items())),
+            episode_seconds=round(self._clock() - self._started, 3),
+            reward_seconds=round(result.duration, 3),
+            collection_error=result.collection_error,
+            reward_timed_out=result.timed_out,
+            restored_test_files=list(result.restored),
+        )
+        self._scored = True
+        return trajectory
+
+    def close(self) -> None:
+        """Remove the episode directory (the trajectory stays readable)."""
+        episode_dir, self._episode_dir = self._episode_dir, None
+        self._toolbox = None
+        self._original = None
+        if episode_dir is not None:
+            remove_tree(episode_dir)
+
+    def __enter__(self) -> CodingEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_episode(env: CodingEnv, agent: Agent) -> Trajectory:
+    """Reset ``env``, let ``agent`` act until the episode ends, and return the scored trajectory.
+
+    The episode directory is left to the caller (``env.close()``, or the pool).
+    """
+    env.reset()
+    last: StepResult | None = None
+    while not env.done:
+        last = env.step(agent.act(last))
+    trajectory = env.finish()
+    trajectory.info.update(agent.episode_info())
+    return trajectory

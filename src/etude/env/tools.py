@@ -1,0 +1,813 @@
+"""The agent's tools: OpenAI function schemas, argument checks, and their execution on a workspace.
+
+A `Toolbox` owns one episode's workspace (a directory the agent may change) and the sandbox its
+commands run in. ``Toolbox.call(name, arguments)`` checks the arguments against the tool's schema
+and runs it; every outcome is text for the model (`ToolOutcome.observation`) plus, when the call
+went wrong, a typed `ToolError` (kinds in ``etude.env.trajectory.ERROR_KINDS``). Nothing a model
+can write makes ``call`` raise.
+
+The tools (`TOOL_SCHEMAS`):
+
+- ``list_files(path=".", max_depth=2)``: paths relative to the workspace root, directories with a
+  trailing ``/``, depth-first in name order, capped at ``list_max_entries``;
+- ``read_file(path, start_line=1, end_line=last)``: numbered lines (``cat -n`` style) under a
+  header ``PATH (lines A-B of N)``, capped at ``read_max_lines`` lines and ``read_max_chars``
+  characters with a footer that says where to continue;
+- ``write_file(path, content)``: creates or overwrites a file (parent directories included);
+- ``replace_in_file(path, old, new)``: replaces the one exact occurrence of ``old``; zero or
+  several occurrences change nothing and say how many (and on which lines);
+- ``search(pattern, path=".")``: a Python regular expression (``re`` syntax) searched line by line
+  in the text files under ``path``; ``PATH:LINE: text`` results, capped. Matching runs inside the
+  sandbox with a time limit, because a hostile pattern can backtrack for hours;
+- ``run_tests(tests=None)``: pytest on the given node ids (default: the task's tests) through
+  ``etude.sandbox.run_pytest``; a summary line, the ids that did not pass, the output's tail;
+- ``bash(command)``: ``bash -c command`` in the sandbox; exit code, stdout, stderr;
+- ``submit()``: ends the episode.
+
+Paths: relative to the workspace root. An absolute path, a ``..`` component, or a path that
+resolves (through symlinks) outside the workspace is refused with a ``path_escape`` error; so is
+a path under one of the task's hidden paths (they are neither listed nor read; the sandbox
+masks them for commands). File tools run in this process on the resolved path and read regular
+files only (a FIFO would block); there is no concurrent process that could swap a path between
+check and use, because the sandbox kills every process of a command when the command ends.
+
+What this module does not do: parse tool calls from model text (``etude.env.protocol``), limit
+the episode (``etude.env.coding``), or contain commands itself (``etude.sandbox`` does).
+``list_files``, ``read_file`` and ``search`` do not follow symlinks to directories while walking;
+``search`` skips symlinked files and ``.git``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import stat
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from etude.env.trajectory import ToolError
+from etude.sandbox import Sandbox, run_pytest
+
+
+def _function(
+    name: str, description: str, properties: dict[str, Any], required: list[str]
+) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }
+
+
+_PATH = {"type": "string", "description": "Path relative to the repository root."}
+
+TOOL_SCHEMAS: tuple[dict[str, Any], ...] = (
+    _function(
+        "list_files",
+        "List files and directories under a path (directories end with '/').",
+        {
+            "path": {**_PATH, "description": "Directory relative to the repository root."},
+            "max_depth": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 8,
+                "description": "How many directory levels to descend (default 2).",
+            },
+        },
+        [],
+    ),
+    _function(
+        "read_file",
+        "Read a text file with line numbers, optionally only lines start_line..end_line.",
+        {
+            "path": _PATH,
+            "start_line": {"type": "integer", "minimum": 1, "description": "First line (1-based)."},
+            "end_line": {"type": "integer", "minimum": 1, "description": "Last line (inclusive)."},
+        },
+        ["path"],
+    ),
+    _function(
+        "write_file",
+        "Create or overwrite a file with the given content.",
+        {"path": _PATH, "content": {"type": "string", "description": "The whole new content."}},
+        ["path", "content"],
+    ),
+    _function(
+        "replace_in_file",
+        "Replace the single exact occurrence of `old` in a file by `new`.",
+        {
+            "path": _PATH,
+            "old": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Exact text to replace, whitespace included; must occur exactly once.",
+            },
+            "new": {"type": "string", "description": "Replacement text."},
+        },
+        ["path", "old", "new"],
+    ),
+    _function(
+        "search",
+        "Search text files for a Python regular expression; prints path:line: text.",
+        {
+            "pattern": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Python regex (escape special characters such as ( with \\).",
+            },
+            "path": {**_PATH, "description": "File or directory to search (default: all)."},
+        },
+        ["pattern"],
+    ),
+    _function(
+        "run_tests",
+        "Run pytest on test ids (default: the task's tests) and report which did not pass.",
+        {
+            "tests": {
+                "type": ["array", "null"],
+                "items": {"type": "string", "minLength": 1},
+                "description": "pytest node ids such as tests/test_x.py::test_y, or files.",
+            }
+        },
+        [],
+    ),
+    _function(
+        "bash",
+        "Run a shell command in the repository root (sandboxed, no network, time-limited).",
+        {"command": {"type": "string", "minLength": 1, "description": "The bash command line."}},
+        ["command"],
+    ),
+    _function("submit", "Submit the current state of the repository as your solution.", {}, []),
+)
+TOOL_NAMES: tuple[str, ...] = tuple(t["function"]["name"] for t in TOOL_SCHEMAS)
+_SCHEMA_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
+
+
+def tool_schemas() -> list[dict[str, Any]]:
+    """The tool declarations (a deep copy, safe to change) for ``tools_system_prompt``."""
+    return copy.deepcopy(list(TOOL_SCHEMAS))
+
+
+@dataclass(kw_only=True, slots=True)
+class ToolConfig:
+    """Output caps and time limits of the tools (TOML section ``[env.tools]``)."""
+
+    read_max_lines: int = 250
+    """Most lines one read_file call shows."""
+    read_max_chars: int = 20_000
+    """Most characters of file content one read_file call shows."""
+    read_max_file_bytes: int = 16 << 20
+    """Largest file read_file and replace_in_file open (larger ones: use bash)."""
+    write_max_bytes: int = 1 << 20
+    """Largest content write_file and replace_in_file write."""
+    list_max_entries: int = 200
+    """Most entries one list_files call shows."""
+    search_max_results: int = 50
+    """Most matching lines one search call shows."""
+    search_max_file_bytes: int = 1 << 20
+    """Files larger than this are skipped by search."""
+    line_max_chars: int = 300
+    """A search result line longer than this is cut."""
+    search_timeout_s: float = 20.0
+    """Wall-clock limit of one search (it runs in the sandbox)."""
+    bash_timeout_s: float = 30.0
+    """Wall-clock limit of one bash command."""
+    test_timeout_s: float = 120.0
+    """Wall-clock limit of one run_tests call."""
+    test_output_chars: int = 3000
+    """Characters of pytest's output tail shown when tests did not all pass."""
+    max_observation_chars: int = 12_000
+    """Any observation longer than this keeps its head and tail with a marker between."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "read_max_lines",
+            "read_max_chars",
+            "read_max_file_bytes",
+            "write_max_bytes",
+            "list_max_entries",
+            "search_max_results",
+            "search_max_file_bytes",
+            "line_max_chars",
+            "test_output_chars",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"env.tools.{name}={getattr(self, name)} must be >= 1")
+        for name in ("search_timeout_s", "bash_timeout_s", "test_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"env.tools.{name}={getattr(self, name)} must be > 0 seconds")
+        if self.max_observation_chars < 200:
+            raise ValueError(
+                f"env.tools.max_observation_chars={self.max_observation_chars} is too small to "
+                "hold an error message; use at least 200"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class ToolOutcome:
+    """What one tool call gave back."""
+
+    observation: str
+    """The text the model sees (already capped)."""
+    error: ToolError | None = None
+    """Set when the call went wrong (bad arguments, path escape, the tool failed)."""
+    submitted: bool = False
+    """The call was ``submit``: the episode ends."""
+
+
+class ToolFailure(Exception):
+    """A tool call that went wrong; ``Toolbox.call`` turns it into an observation and a ToolError."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def cap_text(text: str, max_chars: int) -> str:
+    """``text`` if it fits, else its head and tail with a marker saying how much was cut."""
+    if len(text) <= max_chars:
+        return text
+    # the marker's own length is bounded by ~60 chars; keep head and tail in the rest
+    room = max(max_chars - 60, 2)
+    head, tail = text[: room - room // 2], text[len(text) - room // 2 :]
+    cut = len(text) - len(head) - len(tail)
+    return f"{head}\n[... {cut} characters cut ...]\n{tail}"
+
+
+# ---------------------------------------------------------------- argument checking
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON Schema type name of a decoded JSON value (``integer``, ``array``, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _fits_type(value: Any, expected: str) -> bool:
+    actual = json_type_name(value)
+    if expected == "integer":
+        # JSON has one number type: 3.0 is an integer value (JSON Schema agrees)
+        return actual == "integer" or (
+            actual == "number" and math.isfinite(value) and value == int(value)
+        )
+    if expected == "number":
+        return actual in ("integer", "number")
+    return actual == expected
+
+
+def _check_value(value: Any, schema: Mapping[str, Any], where: str, problems: list[str]) -> Any:
+    """The value with integral floats made ints; problems appended for what does not fit."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else list(types or [])
+    if types and not any(_fits_type(value, t) for t in types):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        problems.append(
+            f"{where} must be {' or '.join(types)}, got {json_type_name(value)} {shown}"
+        )
+        return value
+    if json_type_name(value) == "number" and "integer" in types:
+        value = int(value)
+    if isinstance(value, str) and len(value) < schema.get("minLength", 0):
+        problems.append(f"{where} must not be empty")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            problems.append(f"{where} must be >= {schema['minimum']}, got {value}")
+        if "maximum" in schema and value > schema["maximum"]:
+            problems.append(f"{where} must be <= {schema['maximum']}, got {value}")
+    if isinstance(value, list) and "items" in schema:
+        value = [
+            _check_value(item, schema["items"], f"{where}[{i}]", problems)
+            for i, item in enumerate(value)
+        ]
+    return value
+
+
+def check_arguments(name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments checked against tool ``name``'s schema; ``ToolFailure(bad_arguments)`` lists
+    every problem (missing, unexpected, wrongly typed) and quotes the schema."""
+    schema = _SCHEMA_BY_NAME[name]
+    properties = schema["properties"]
+    problems = [
+        f"missing required argument '{k}'" for k in schema["required"] if k not in arguments
+    ]
+    problems += [f"unexpected argument '{k}'" for k in arguments if k not in properties]
+    checked = {
+        key: _check_value(value, properties[key], f"argument '{key}'", problems)
+        for key, value in arguments.items()
+        if key in properties
+    }
+    if problems:
+        raise ToolFailure(
+            "bad_arguments",
+            f"Bad arguments for {name}: {'; '.join(problems)}. "
+            f"Parameters schema: {json.dumps(schema)}",
+        )
+    return checked
+
+
+# ---------------------------------------------------------------- paths
+
+
+def _is_under(rel: str, prefix: str) -> bool:
+    return rel == prefix or rel.startswith(prefix.rstrip("/") + "/")
+
+
+class WorkspacePaths:
+    """Maps the agent's relative paths onto the workspace, refusing escapes and hidden paths."""
+
+    def __init__(self, root: str | os.PathLike[str], hidden_paths: Sequence[str] = ()) -> None:
+        self.root = Path(os.path.realpath(root))
+        self.hidden = tuple(PurePosixPath(p).as_posix() for p in hidden_paths)
+
+    def is_hidden(self, rel: str) -> bool:
+        return any(_is_under(rel, h) for h in self.hidden)
+
+    def resolve(self, raw: str) -> tuple[Path, str]:
+        """``(resolved absolute path, normalized relative path)`` or ``ToolFailure(path_escape)``."""
+        if "\x00" in raw:
+            raise ToolFailure("tool_failed", f"Path {raw!r} contains a NUL character.")
+        pure = PurePosixPath(raw or ".")
+        if pure.is_absolute():
+            inside = os.path.relpath(os.path.realpath(raw), self.root)
+            hint = f" ('{inside}')" if not inside.startswith("..") else ""
+            raise ToolFailure(
+                "path_escape",
+                f"Path '{raw}' is absolute; use a path relative to the repository root{hint}.",
+            )
+        if ".." in pure.parts:
+            raise ToolFailure(
+                "path_escape",
+                f"Path '{raw}' contains '..'; paths must stay inside the repository root.",
+            )
+        rel = pure.as_posix()
+        real = os.path.realpath(self.root / rel)
+        if real != str(self.root) and not real.startswith(str(self.root) + "/"):
+            raise ToolFailure(
+                "path_escape",
+                f"Path '{raw}' resolves through a symlink to a place outside the repository.",
+            )
+        real_rel = os.path.relpath(real, self.root)
+        if self.is_hidden(rel) or self.is_hidden(real_rel):
+            raise ToolFailure("path_escape", f"Path '{raw}' is hidden in this task.")
+        return Path(real), rel
+
+    def relative(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+
+def _regular_file(path: Path, rel: str) -> os.stat_result:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ToolFailure("tool_failed", f"No such file: '{rel}'.") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ToolFailure("tool_failed", f"'{rel}' is a directory; use list_files on it.")
+    if not stat.S_ISREG(st.st_mode):
+        raise ToolFailure("tool_failed", f"'{rel}' is not a regular file.")
+    return st
+
+
+def _split_lines(text: str) -> list[str]:
+    # "\n" only: str.splitlines also breaks at \f, \x1c, \u2028..., which editors and sed do not
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+# ---------------------------------------------------------------- search (runs in the sandbox)
+
+# Executed with `python -I` (isolated: no cwd on sys.path, so the workspace cannot shadow `re`)
+# inside the sandbox, which bounds its time; arguments come as JSON on stdin.
+_SEARCH_SCRIPT = r"""
+import json, os, re, sys
+a = json.load(sys.stdin)
+rx = re.compile(a["pattern"])
+root = os.path.realpath(".")
+hidden = a["hidden"]
+def hidden_path(rel):
+    return any(rel == h or rel.startswith(h + "/") for h in hidden)
+def files(start):
+    if os.path.isfile(start):
+        yield start
+        return
+    for d, dirs, names in os.walk(start):
+        dirs[:] = sorted(x for x in dirs if x != ".git" and not hidden_path(os.path.relpath(os.path.join(d, x), root)))
+        for n in sorted(names):
+            yield os.path.join(d, n)
+out, more = [], False
+for p in files(a["start"]):
+    rel = os.path.relpath(p, root)
+    if hidden_path(rel) or os.path.islink(p) or not os.path.isfile(p):
+        continue
+    if os.path.getsize(p) > a["max_file_bytes"]:
+        continue
+    with open(p, "rb") as f:
+        data = f.read()
+    if b"\0" in data[:8192]:
+        continue
+    for i, line in enumerate(data.decode("utf-8", "replace").split("\n"), 1):
+        if rx.search(line):
+            if len(out) == a["max_results"]:
+                more = True
+                break
+            line = line.rstrip("\r")
+            if len(line) > a["line_chars"]:
+                line = line[: a["line_chars"]] + " [...]"
+            out.append(f"{rel}:{i}: {line}")
+    if more:
+        break
+print(json.dumps({"matches": out, "more": more}))
+"""
+
+
+# ---------------------------------------------------------------- the toolbox
+
+_SUMMARY_ORDER = ("passed", "failed", "error", "skipped")
+
+
+class Toolbox:
+    """The tools of one episode, bound to its workspace and sandbox.
+
+    ``test_ids`` are what ``run_tests()`` runs without arguments (the task's tests; empty: the
+    whole suite). ``hidden_paths`` are workspace-relative paths the agent may not see; the
+    sandbox should mask the same paths (``SandboxConfig.hidden_paths``).
+    """
+
+    def __init__(
+        self,
+        workspace: str | os.PathLike[str],
+        *,
+        sandbox: Sandbox,
+        cfg: ToolConfig | None = None,
+        test_ids: Sequence[str] = (),
+        hidden_paths: Sequence[str] = (),
+    ) -> None:
+        self.paths = WorkspacePaths(workspace, hidden_paths)
+        if not self.paths.root.is_dir():
+            raise ValueError(f"tool workspace {str(workspace)!r} is not a directory")
+        unmasked = sorted(set(self.paths.hidden) - set(sandbox.config.hidden_paths))
+        if unmasked:
+            raise ValueError(
+                f"the sandbox does not mask the hidden paths {unmasked}; build it with "
+                "SandboxConfig(hidden_paths=...) holding every hidden path of the toolbox"
+            )
+        self.sandbox = sandbox
+        self.cfg = cfg if cfg is not None else ToolConfig()
+        self.test_ids = tuple(test_ids)
+        self._tools: dict[str, Callable[..., ToolOutcome]] = {
+            "list_files": self.list_files,
+            "read_file": self.read_file,
+            "write_file": self.write_file,
+            "replace_in_file": self.replace_in_file,
+            "search": self.search,
+            "run_tests": self.run_tests,
+            "bash": self.bash,
+            "submit": self.submit,
+        }
+        assert tuple(self._tools) == TOOL_NAMES
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return TOOL_NAMES
+
+    @property
+    def workspace(self) -> Path:
+        return self.paths.root
+
+    def call(
+        self, name: str, arguments: Mapping[str, Any], *, time_left: float | None = None
+    ) -> ToolOutcome:
+        """Check ``arguments`` and run tool ``name``; ``time_left`` (seconds) caps its timeout.
+
+        ``name`` must be one of `TOOL_NAMES` (the protocol answers unknown names itself).
+        """
+        assert name in self._tools, name
+        try:
+            checked = check_arguments(name, arguments)
+            if name in ("search", "run_tests", "bash"):
+                checked["time_left"] = time_left
+            outcome = self._tools[name](**checked)
+        except ToolFailure as failure:
+            outcome = ToolOutcome(
+                observation=failure.message,
+                error=ToolError(kind=failure.kind, message=failure.message, tool=name),
+            )
+        except (OSError, UnicodeError) as e:  # the file system said no: the model can adapt
+            reason = getattr(e, "strerror", None) or str(e)
+            message = f"{name} failed: {reason}."
+            outcome = ToolOutcome(
+                observation=message,
+                error=ToolError(kind="tool_failed", message=message, tool=name),
+            )
+        if len(outcome.observation) > self.cfg.max_observation_chars:
+            outcome.observation = cap_text(outcome.observation, self.cfg.max_observation_chars)
+        return outcome
+
+    def _timeout(self, limit: float, time_left: float | None) -> float:
+        timeout = limit if time_left is None else min(limit, time_left)
+        return max(timeout, 0.1)
+
+    # ------------------------------------------------------------ file tools
+
+    def list_files(self, path: str = ".", max_depth: int = 2) -> ToolOutcome:
+        start, rel = self.paths.resolve(path)
+        if not start.exists():
+            raise ToolFailure("tool_failed", f"No such directory: '{rel}'.")
+        if not start.is_dir():
+            return ToolOutcome(observation=self.paths.relative(start))
+        entries: list[str] = []
+        limit = self.cfg.list_max_entries
+        cut = self._walk(start, max_depth, entries, limit)
+        if not entries:
+            return ToolOutcome(observation=f"'{rel}' is an empty directory.")
+        if cut:
+            entries.append(
+                f"[listing cut at {limit} entries; list a subdirectory or use a smaller max_depth]"
+            )
+        return ToolOutcome(observation="\n".join(entries))
+
+    def _walk(self, directory: Path, depth: int, out: list[str], limit: int) -> bool:
+        """Depth-first, name-ordered entries under ``directory``; True when cut at ``limit``."""
+        with os.scandir(directory) as it:
+            children = sorted(it, key=lambda e: e.name)
+        for entry in children:
+            rel = self.paths.relative(Path(entry.path))
+            if self.paths.is_hidden(rel):
+                continue
+            if len(out) >= limit:
+                return True
+            if entry.is_symlink():
+                out.append(f"{rel} -> {os.readlink(entry.path)}")
+            elif entry.is_dir(follow_symlinks=False):
+                out.append(rel + "/")
+                if depth > 1 and self._walk(Path(entry.path), depth - 1, out, limit):
+                    return True
+            else:
+                out.append(rel)
+        return False
+
+    def _read_text(self, path: Path, rel: str) -> str:
+        st = _regular_file(path, rel)
+        if st.st_size > self.cfg.read_max_file_bytes:
+            raise ToolFailure(
+                "tool_failed",
+                f"'{rel}' is {st.st_size} bytes, more than the {self.cfg.read_max_file_bytes} "
+                "bytes this tool opens; use bash (head, sed -n) to look at parts of it.",
+            )
+        data = path.read_bytes()
+        if b"\0" in data:
+            raise ToolFailure(
+                "tool_failed", f"'{rel}' is a binary file ({len(data)} bytes); it holds no text."
+            )
+        return data.decode("utf-8", "replace")
+
+    def read_file(
+        self, path: str, start_line: int | None = None, end_line: int | None = None
+    ) -> ToolOutcome:
+        real, rel = self.paths.resolve(path)
+        lines = _split_lines(self._read_text(real, rel))
+        total = len(lines)
+        if total == 0:
+            return ToolOutcome(observation=f"{rel} (empty file)")
+        first = start_line or 1
+        last = min(end_line or total, total)
+        if first > total:
+            raise ToolFailure(
+                "tool_failed", f"start_line {first} is past the end of '{rel}' ({total} lines)."
+            )
+        if end_line is not None and end_line < first:
+            raise ToolFailure("tool_failed", f"end_line {end_line} is before start_line {first}.")
+        shown: list[str] = []
+        chars = 0
+        for number in range(first, last + 1):
+            line = f"{number:6d}\t{lines[number - 1]}"
+            if shown and (
+                len(shown) >= self.cfg.read_max_lines or chars + len(line) > self.cfg.read_max_chars
+            ):
+                break
+            shown.append(line)
+            chars += len(line) + 1
+        shown_last = first + len(shown) - 1
+        header = f"{rel} (lines {first}-{shown_last} of {total})"
+        body = "\n".join([header, *shown])
+        if shown_last < last:
+            body += (
+                f"\n[output cut after line {shown_last}; call read_file with "
+                f"start_line={shown_last + 1} to read on]"
+            )
+        return ToolOutcome(observation=body)
+
+    def _write(self, real: Path, rel: str, content: str) -> int:
+        data = content.encode("utf-8", "surrogatepass")
+        if len(data) > self.cfg.write_max_bytes:
+            raise ToolFailure(
+                "tool_failed",
+                f"Content for '{rel}' is {len(data)} bytes, over the {self.cfg.write_max_bytes} "
+                "byte limit of one write.",
+            )
+        if real.is_dir():
+            raise ToolFailure("tool_failed", f"'{rel}' is a directory; give a file path.")
+        real.parent.mkdir(parents=True, exist_ok=True)
+        with open(real, "wb") as f:
+            f.write(data)
+        return len(data)
+
+    def write_file(self, path: str, content: str) -> ToolOutcome:
+        real, rel = self.paths.resolve(path)
+        if rel == "." or path.endswith("/"):
+            raise ToolFailure("tool_failed", f"'{path}' names a directory; give a file path.")
+        existed = real.exists()
+        size = self._write(real, rel, content)
+        verb = "Overwrote" if existed else "Created"
+        return ToolOutcome(
+            observation=f"{verb} {rel} ({size} bytes, {len(_split_lines(content))} lines)."
+        )
+
+    def replace_in_file(self, path: str, old: str, new: str) -> ToolOutcome:
+        real, rel = self.paths.resolve(path)
+        content = self._read_text(real, rel)
+        positions: list[int] = []
+        at = content.find(old)
+        while at != -1 and len(positions) < 1000:
+            positions.append(at)
+            at = content.find(old, at + 1)
+        if not positions:
+            raise ToolFailure(
+                "tool_failed",
+                f"No match: `old` occurs 0 times in '{rel}'. It must match the file exactly, "
+                "indentation and line breaks included; read the file and copy the text.",
+            )
+        if len(positions) > 1:
+            line_numbers = [content.count("\n", 0, p) + 1 for p in positions[:10]]
+            more = ", ..." if len(positions) > 10 else ""
+            raise ToolFailure(
+                "tool_failed",
+                f"Ambiguous: `old` occurs {len(positions)} times in '{rel}' (starting on lines "
+                f"{', '.join(map(str, line_numbers))}{more}); nothing was replaced. Include more "
+                "surrounding lines so that it occurs exactly once.",
+            )
+        at = positions[0]
+        self._write(real, rel, content[:at] + new + content[at + len(old) :])
+        first = content.count("\n", 0, at) + 1
+        old_lines = old.count("\n") + 1
+        new_lines = new.count("\n") + 1
+        return ToolOutcome(
+            observation=(
+                f"Replaced lines {first}-{first + old_lines - 1} of {rel} with {new_lines} "
+                f"line{'s' if new_lines != 1 else ''}."
+            )
+        )
+
+    # ------------------------------------------------------------ sandboxed tools
+
+    def search(self, pattern: str, path: str = ".", time_left: float | None = None) -> ToolOutcome:
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError, ValueError) as e:
+            raise ToolFailure(
+                "bad_arguments",
+                f"Bad arguments for search: argument 'pattern' is not a valid Python regular "
+                f"expression ({e}). Parameters schema: {json.dumps(_SCHEMA_BY_NAME['search'])}",
+            ) from None
+        real, rel = self.paths.resolve(path)
+        if not real.exists():
+            raise ToolFailure("tool_failed", f"No such file or directory: '{rel}'.")
+        request = {
+            "pattern": pattern,
+            "start": self.paths.relative(real) if real != self.paths.root else ".",
+            "hidden": list(self.paths.hidden),
+            "max_results": self.cfg.search_max_results,
+            "max_file_bytes": self.cfg.search_max_file_bytes,
+            "line_chars": self.cfg.line_max_chars,
+        }
+        timeout = self._timeout(self.cfg.search_timeout_s, time_left)
+        result = self.sandbox.run(
+            [sys.executable, "-I", "-c", _SEARCH_SCRIPT],
+            self.paths.root,
+            timeout=timeout,
+            stdin=json.dumps(request),
+        )
+        if result.timed_out:
+            raise ToolFailure(
+                "tool_failed",
+                f"search timed out after {timeout:.0f} s; use a simpler pattern or a narrower path.",
+            )
+        try:
+            found = json.loads(result.stdout)
+        except json.JSONDecodeError:
+            found = None
+        if result.exit_code != 0 or not isinstance(found, dict):
+            raise ToolFailure(
+                "tool_failed",
+                f"search failed (exit code {result.exit_code}): {result.stderr.strip()[-500:]}",
+            )
+        matches = found["matches"]
+        if not matches:
+            return ToolOutcome(observation=f"No matches for /{pattern}/ in '{rel}'.")
+        lines = list(matches)
+        if found["more"]:
+            lines.append(
+                f"[only the first {len(matches)} matches are shown; narrow the pattern or path]"
+            )
+        return ToolOutcome(observation="\n".join(lines))
+
+    def run_tests(
+        self, tests: list[str] | None = None, time_left: float | None = None
+    ) -> ToolOutcome:
+        if tests is None:
+            ids = list(self.test_ids)
+        else:
+            ids = []
+            for test_id in tests:
+                if test_id.startswith("-"):
+                    raise ToolFailure(
+                        "bad_arguments",
+                        f"Bad arguments for run_tests: '{test_id}' is an option, not a test id; "
+                        "give node ids such as tests/test_x.py::test_y. Parameters schema: "
+                        f"{json.dumps(_SCHEMA_BY_NAME['run_tests'])}",
+                    )
+                self.paths.resolve(test_id.split("::", 1)[0])
+                if test_id not in ids:
+                    ids.append(test_id)
+        timeout = self._timeout(self.cfg.test_timeout_s, time_left)
+        run = run_pytest(self.sandbox, self.paths.root, ids, timeout=timeout)
+        counts: dict[str, int] = {}
+        for outcome in run.results.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        summary = ", ".join(f"{counts[o]} {o}" for o in _SUMMARY_ORDER if o in counts)
+        if run.timed_out:
+            head = f"pytest timed out after {timeout:.0f} s and was killed."
+        elif run.collection_error:
+            head = (
+                f"pytest could not collect or run the tests (exit code {run.exit_code}); "
+                "none of them counts as passed."
+            )
+        elif run.all_passed():
+            return ToolOutcome(
+                observation=f"pytest: all {len(run.results)} passed ({run.duration:.1f} s)."
+            )
+        else:
+            head = f"pytest: {summary} ({run.duration:.1f} s)."
+        not_passed = [f"  {o} {i}" for i, o in sorted(run.results.items()) if o != "passed"]
+        parts = [head]
+        if not_passed:
+            shown = not_passed[:30]
+            if len(not_passed) > len(shown):
+                shown.append(f"  ... and {len(not_passed) - len(shown)} more")
+            parts.append("Not passed:\n" + "\n".join(shown))
+        tail = run.output[-self.cfg.test_output_chars :].strip()
+        if tail:
+            parts.append("--- pytest output (tail) ---\n" + tail)
+        return ToolOutcome(observation="\n".join(parts))
+
+    def bash(self, command: str, time_left: float | None = None) -> ToolOutcome:
+        timeout = self._timeout(self.cfg.bash_timeout_s, time_left)
+        result = self.sandbox.run(command, self.paths.root, timeout=timeout)
+        if result.timed_out:
+            head = f"timed out after {timeout:.0f} s; the command was killed"
+        else:
+            head = f"exit code: {result.exit_code}"
+        parts = [head]
+        if result.stdout:
+            parts.append("--- stdout ---\n" + result.stdout.rstrip("\n"))
+        if result.stderr:
+            parts.append("--- stderr ---\n" + result.stderr.rstrip("\n"))
+        if not result.stdout and not result.stderr:
+            parts.append("(no output)")
+        return ToolOutcome(observation="\n".join(parts))
+
+    def submit(self) -> ToolOutcome:
+        return ToolOutcome(
+            observation="Submitted. The episode is over; your work will be tested.",
+            submitted=True,
+        )

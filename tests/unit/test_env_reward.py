@@ -1,0 +1,195 @@
+"""The test-based reward on the hand-written tasks: the oracle earns 1.0, doing nothing 0.0, and
+no edit to the tests (or planted pytest configuration) can buy a reward."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from etude.env.coding import CodingEnv, EnvConfig, run_episode
+from etude.env.oracle import OracleAgent
+from etude.env.reward import compute_reward, paths_to_restore, restore_test_files
+from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer, default_corpus
+from etude.tasks.record import TaskRecord, load_tasks, resolve_workspace
+
+BASE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "handwritten"
+TASKS = load_tasks(BASE / "tasks.jsonl")
+BY_ID = {t.instance_id: t for t in TASKS}
+SLUGIFY = BY_ID["textkit__case.slugify"]
+
+# a conftest that reports every test as passed: it works in the live workspace
+RIGGED_CONFTEST = """import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+"""
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.train(default_corpus(200_000), 512)
+
+
+def call(name: str, **arguments) -> str:
+    return f"{TOOL_CALL_START}{json.dumps({'name': name, 'arguments': arguments})}{TOOL_CALL_END}"
+
+
+def solved_copy(task: TaskRecord, dest: Path) -> Path:
+    """The task's workspace with its gold patch applied by `patch` (the reference tool)."""
+    shutil.copytree(resolve_workspace(task, BASE), dest)
+    subprocess.run(
+        ["patch", "-p1", "--quiet", "--no-backup-if-mismatch"],
+        input=task.patch,
+        text=True,
+        cwd=dest,
+        check=True,
+    )
+    return dest
+
+
+def episode(task: TaskRecord, tok: Tokenizer, texts: list[str], tmp_path: Path):
+    """Drive an episode with ``texts`` (the last one must submit) and score it."""
+    with CodingEnv(task, EnvConfig(work_dir=str(tmp_path)), tokenizer=tok, base_dir=BASE) as env:
+        env.reset()
+        results = [env.step(text) for text in texts]
+        assert results[-1].done and results[-1].finish_reason == "submit"
+        return env.finish(), results
+
+
+@pytest.mark.parametrize("task", TASKS, ids=[t.instance_id for t in TASKS])
+def test_oracle_earns_full_reward(task: TaskRecord, tok: Tokenizer, tmp_path: Path) -> None:
+    with CodingEnv(task, EnvConfig(work_dir=str(tmp_path)), tokenizer=tok, base_dir=BASE) as env:
+        trajectory = run_episode(env, OracleAgent(task, base_dir=str(BASE)))
+    assert trajectory.reward == 1.0 and trajectory.finish_reason == "submit"
+    assert trajectory.tests == {i: "passed" for i in [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]}
+    assert trajectory.info["restored_test_files"] == []
+    assert trajectory.info["error_counts"] == {}
+    assert list(tmp_path.iterdir()) == []  # episode and scoring directories are gone
+
+
+def test_doing_nothing_earns_zero(tok: Tokenizer, tmp_path: Path) -> None:
+    trajectory, _ = episode(SLUGIFY, tok, [call("submit")], tmp_path)
+    assert trajectory.reward == 0.0
+    assert all(trajectory.tests[i] == "failed" for i in SLUGIFY.FAIL_TO_PASS)
+    assert all(trajectory.tests[i] == "passed" for i in SLUGIFY.PASS_TO_PASS)
+    for task in TASKS:
+        if task is SLUGIFY:
+            continue
+        result = compute_reward(task, resolve_workspace(task, BASE), base_dir=BASE)
+        assert result.reward == 0.0 and result.restored == []
+        # the roman task lacks a whole module: its tests cannot even be collected
+        assert result.collection_error == (task.instance_id == "textkit__roman")
+
+
+def test_gold_patch_earns_one_and_test_edits_never_count(tmp_path: Path) -> None:
+    solved = solved_copy(SLUGIFY, tmp_path / "solved")
+    # a right solution with sabotaged tests still earns 1.0: the tests are restored
+    test_file = solved / "tests" / "test_case.py"
+    test_file.write_text(test_file.read_text().replace('== "hello-world"', '== "nope"'))
+    (solved / "tests" / "test_wrap.py").unlink()
+    result = compute_reward(SLUGIFY, solved, base_dir=BASE)
+    assert result.reward == 1.0
+    assert result.restored == ["tests/test_case.py", "tests/test_wrap.py"]
+    assert '== "nope"' in test_file.read_text()  # the scored workspace itself is left alone
+
+
+def test_editing_the_tests_earns_nothing(tok: Tokenizer, tmp_path: Path) -> None:
+    trivial = "def test_basic():\n    assert True\n"
+    trajectory, _ = episode(
+        SLUGIFY,
+        tok,
+        [call("write_file", path="tests/test_case.py", content=trivial), call("submit")],
+        tmp_path,
+    )
+    assert trajectory.reward == 0.0
+    assert trajectory.info["restored_test_files"] == ["tests/test_case.py"]
+    assert trajectory.tests["tests/test_case.py::TestSlugify::test_basic"] == "failed"
+
+
+def test_deleting_the_tests_earns_nothing(tok: Tokenizer, tmp_path: Path) -> None:
+    trajectory, _ = episode(
+        SLUGIFY,
+        tok,
+        [call("bash", command="rm -rf tests && mkdir tests"), call("submit")],
+        tmp_path,
+    )
+    assert trajectory.reward == 0.0
+    restored = trajectory.info["restored_test_files"]
+    assert "tests/test_case.py" in restored and "tests/test_roman.py" in restored
+    assert not trajectory.info["collection_error"]
+
+
+def test_planted_conftest_and_pytest_config_earn_nothing(tok: Tokenizer, tmp_path: Path) -> None:
+    deselect = "[pytest]\naddopts = -k 'not Slugify'\n"
+    texts = [
+        call("write_file", path="conftest.py", content=RIGGED_CONFTEST),
+        call("run_tests"),
+        call("write_file", path="tests/pytest.ini", content=deselect),
+        call("submit"),
+    ]
+    trajectory, results = episode(SLUGIFY, tok, texts, tmp_path)
+    assert results[1].observations[0].startswith("pytest: all")  # the rig fools the live run
+    assert trajectory.reward == 0.0
+    assert trajectory.info["restored_test_files"] == ["conftest.py", "tests/pytest.ini"]
+
+
+def test_breaking_collection_earns_zero(tmp_path: Path) -> None:
+    solved = solved_copy(SLUGIFY, tmp_path / "solved")
+    with open(solved / "textkit" / "case.py", "a") as f:
+        f.write("\ndef broken(:\n")
+    result = compute_reward(SLUGIFY, solved, base_dir=BASE)
+    assert result.reward == 0.0 and result.collection_error
+    assert all(outcome != "passed" for outcome in result.tests.values())
+
+
+def test_restore_rules(tmp_path: Path) -> None:
+    original = tmp_path / "original"
+    for rel, text in {
+        "pkg/mod.py": "x = 1\n",
+        "pkg/test_inline.py": "def test_x(): pass\n",
+        "tests/data/input.txt": "data\n",
+        "tests/conftest.py": "",
+        "pyproject.toml": "[project]\nname = 'pkg'\n",
+        "hidden/answers.txt": "42\n",
+    }.items():
+        (original / rel).parent.mkdir(parents=True, exist_ok=True)
+        (original / rel).write_text(text)
+    ids = ["tests/test_a.py::test_a"]
+    assert paths_to_restore(original, ids, ["hidden"]) == [
+        "hidden/answers.txt",
+        "pkg/test_inline.py",
+        "pyproject.toml",
+        "tests/conftest.py",
+        "tests/data/input.txt",
+    ]
+    scored = tmp_path / "scored"
+    shutil.copytree(original, scored)
+    (scored / "pkg" / "mod.py").write_text("x = 2\n")  # code edits stay
+    (scored / "tests" / "data" / "input.txt").unlink()
+    shutil.rmtree(scored / "hidden")
+    (scored / "hidden").symlink_to(tmp_path)
+    (scored / "pkg" / "conftest.py").write_text("")
+    (scored / "pkg" / "setup.cfg").write_text("[tool:pytest]\n")
+    changed = restore_test_files(original, scored, ids, ["hidden"])
+    assert changed == [
+        "hidden",
+        "hidden/answers.txt",
+        "pkg/conftest.py",
+        "pkg/setup.cfg",
+        "tests/data/input.txt",
+    ]
+    assert (scored / "pkg" / "mod.py").read_text() == "x = 2\n"
+    assert (scored / "tests" / "data" / "input.txt").read_text() == "data\n"
+    assert not (scored / "hidden").is_symlink()
+    assert (scored / "hidden" / "answers.txt").read_text() == "42\n"
+    assert not (scored / "pkg" / "conftest.py").exists()
+    assert restore_test_files(original, scored, ids, ["hidden"]) == []
