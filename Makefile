@@ -7,12 +7,16 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test test-all bench lint format clean system-deps
 
-# bubblewrap runs the sandboxes; installed only where missing (needs root or sudo).
+# Debian packages, installed only where missing (needs root or sudo): bubblewrap runs the
+# sandboxes, chromium renders the run report in the browser test.
+SYSTEM_PKGS := bwrap:bubblewrap chromium:chromium
 system-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  echo "installing bubblewrap"; \
+	@missing=""; for pair in $(SYSTEM_PKGS); do \
+	  command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing >/dev/null; fi
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)

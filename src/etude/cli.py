@@ -140,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # subsystems register their own subcommands; these imports are argparse-only (no torch)
     from etude.plan.report import add_plan_parser
+    from etude.report.cli import add_report_parser
 
     add_plan_parser(sub)
+    add_report_parser(sub)
     return p
 
 

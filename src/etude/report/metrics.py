@@ -14,24 +14,18 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from etude.tasks.record import write_atomic
+
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write JSON through a temp file and a rename, so a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(Path(path), (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def library_versions() -> dict[str, str]:
@@ -114,13 +108,10 @@ class MetricsLogger:
             return
         keep = [
             line
-            for line in self.path.read_text().splitlines()
-            if line and json.loads(line)["step"] <= step
+            for line, record in _parse_lines(self.path.read_text(), self.path)
+            if record["step"] <= step
         ]
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".metrics.")
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     def close(self) -> None:
         if self._tb is not None:
@@ -129,12 +120,28 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def _parse_lines(text: str, path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` per non-blank line. A malformed LAST line is dropped: it is an append
+    that an interrupted run left half-written. A malformed line before it is a ``ValueError``."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    out = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}: record {number} is not JSON ({e})") from None
+    return out
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``)."""
+    """Records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``); a half-written
+    last line (an interrupted run) is left out."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _parse_lines(path.read_text(), path)]
 
 
 def prepare_run_dir(run_dir: str | Path, config: dict) -> Path:
