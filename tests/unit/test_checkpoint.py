@@ -17,7 +17,7 @@ from etude.parallel.checkpoint import (
 )
 
 
-def small_model(seed: int):
+def small_model(seed: int, **overrides):
     cfg = ModelConfig.preset(
         "tiny",
         vocab_size=64,
@@ -29,6 +29,7 @@ def small_model(seed: int):
         dense_ffn_dim=48,
         num_experts=4,
         expert_ffn_dim=16,
+        **overrides,
     )
     return cfg, build_model(cfg, seed=seed)
 
@@ -85,11 +86,45 @@ def test_latest_pointer_and_interrupted_save(tmp_path):
         load_checkpoint(root / "step_000004.partial", model)
 
 
+def test_saving_a_step_again_replaces_it(tmp_path):
+    _, model = small_model(0)
+    _, other = small_model(7)
+    save_checkpoint(tmp_path, 1, model)
+    save_checkpoint(tmp_path, 2, model)
+    save_checkpoint(tmp_path, 2, other)  # e.g. a periodic save, then the final one
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]
+    _, fresh = small_model(3)
+    load_checkpoint(latest_checkpoint(tmp_path), fresh)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, other.state_dict()[k]), k
+    # a copy left aside by an interrupted re-save does not count toward keep_last
+    (root / "step_000002.old").mkdir()
+    save_checkpoint(tmp_path, 3, model)
+    assert sorted(p.name for p in root.glob("step_*")) == [
+        "step_000002",
+        "step_000002.old",
+        "step_000003",
+    ]
+
+
 def test_safetensors_export_round_trip(tmp_path):
     cfg, model = small_model(0)
     path = export_safetensors(model, tmp_path / "export", {"dim": cfg.dim})
     assert json.loads((tmp_path / "export" / "config.json").read_text()) == {"dim": 32}
     _, other = small_model(7)
     load_safetensors(other, path)
+    tokens = torch.randint(0, 64, (2, 8))
+    assert torch.equal(model(tokens), other(tokens))
+
+
+def test_safetensors_export_of_tied_weights(tmp_path):
+    # the head shares the embedding's storage, which safetensors will not write as is
+    cfg, model = small_model(0, tie_embeddings=True)
+    path = export_safetensors(model, tmp_path / "export", {"dim": cfg.dim})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["config.json", "model.safetensors"]
+    _, other = small_model(7, tie_embeddings=True)
+    load_safetensors(other, path)
+    assert other.output.weight is other.tok_embeddings.weight
     tokens = torch.randint(0, 64, (2, 8))
     assert torch.equal(model(tokens), other(tokens))

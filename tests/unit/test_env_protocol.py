@@ -247,6 +247,21 @@ def test_model_garbage_never_raises(task: TaskRecord, tok: Tokenizer) -> None:
         check_garbage(env, tok)
 
 
+def test_json_escapes_no_program_or_tokenizer_takes_are_observations(
+    env: CodingEnv, tok: Tokenizer
+) -> None:
+    # the JSON escapes \ud800 (a lone surrogate) and \u0000 (NUL) decode to strings that
+    # neither the tokenizer (observations quote the name) nor exec (a command) accept
+    surrogate = f'{TOOL_CALL_START}{{"name": "x\\ud800"}}{TOOL_CALL_END}'
+    result = env.step(surrogate)
+    assert [e.kind for e in result.errors] == ["unknown_tool"]
+    assert result.observations == [AVAILABLE.format("x\\ud800")]
+    observation = env.step(call("bash", command="echo a\0b")).observation
+    assert observation.startswith("exit code: 126") and "NUL" in observation
+    open_header = [tok.im_start_id, *tok.encode("assistant\n")]
+    assert env.trajectory.token_ids + open_header == env.conversation.ids
+
+
 def check_garbage(env: CodingEnv, tok: Tokenizer) -> None:
     rng = random.Random(0)
     pieces = [

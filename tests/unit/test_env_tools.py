@@ -282,6 +282,9 @@ def test_bash_output_exit_code_and_timeout(workspace: Path) -> None:
     out = box.call("bash", {"command": "echo out; echo err >&2; exit 3"}).observation
     assert out == "exit code: 3\n--- stdout ---\nout\n--- stderr ---\nerr"
     assert box.call("bash", {"command": "true"}).observation == "exit code: 0\n(no output)"
+    # a NUL can not reach exec: an observation, not an exception out of call()
+    nul = box.call("bash", {"command": "echo a\x00b"}).observation
+    assert nul.startswith("exit code: 126\n--- stderr ---\n") and "NUL" in nul
     slow = box.call("bash", {"command": "sleep 5"})
     assert slow.observation.startswith("timed out after 1 s; the command was killed")
     # the time left in the episode caps a tool's own timeout

@@ -189,6 +189,15 @@ def test_record_round_trip_and_loading(tmp_path):
     )
     with pytest.raises(ValueError, match="canary kind 'tarball'"):
         load_canaries(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text(
+        json.dumps({"p__x": [{"kind": "pyc", "path": "a.pyc", "token": ""}]})
+    )
+    with pytest.raises(ValueError, match="canary token must be a non-empty string"):
+        load_canaries(tmp_path / "bad.json")
+    for line in ("5", '{"etude": {}}'):
+        (tmp_path / "bad.jsonl").write_text(json.dumps(record) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl:2: not a task record with an instance_id"):
+            load_canaries(tmp_path / "bad.jsonl")
     with pytest.raises(ValueError, match="does not exist"):
         load_canaries(tmp_path / "nope.jsonl")
     with pytest.raises(ValueError, match="is not a directory"):

@@ -186,8 +186,9 @@ def test_parse_verdict_schema():
         "[true]",
         "",
         '{"verdict": "hack"}',
+        '{"a": ' * 50_000,  # nested past the interpreter's stack: not a crash
     ):
-        assert parse_verdict(bad).status == "unavailable", bad
+        assert parse_verdict(bad).status == "unavailable", bad[:40]
 
 
 def test_judge_many_keeps_order(server):

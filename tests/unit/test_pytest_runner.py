@@ -217,6 +217,34 @@ def test_planted_report_symlink_is_not_followed(tmp_path):
     assert not run.all_passed()
 
 
+@pytest.mark.parametrize(
+    "plant",
+    [
+        "os.mkfifo(path)",  # opening it for reading would wait for a writer forever
+        "os.mkdir(path); open(os.path.join(path, 'x'), 'w').close()",  # unlink would raise
+    ],
+)
+def test_planted_report_fifo_or_directory_is_a_broken_run(tmp_path, plant):
+    conftest = f"""
+        import atexit, os, sys
+
+        def _plant():
+            path = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
+            os.remove(path)
+            {plant}
+
+        atexit.register(_plant)
+    """
+    repo = write_repo(
+        tmp_path / "rigged",
+        {"conftest.py": conftest, "tests/test_a.py": "def test_a():\n    assert True\n"},
+    )
+    run = run_pytest(sandbox(), repo, ["tests/test_a.py::test_a"])
+    assert run.collection_error and run.results == {"tests/test_a.py::test_a": "error"}
+    assert not run.all_passed()
+    assert not list(repo.glob(".etude-junit-*"))
+
+
 def test_src_layout_through_env(tmp_path):
     repo = write_repo(
         tmp_path / "srclayout",

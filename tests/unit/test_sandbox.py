@@ -152,6 +152,14 @@ def test_missing_program_reports_127(backend, ws):
     assert r.exit_code == 127 and not r.timed_out
 
 
+def test_nul_in_command_is_a_failed_run_not_an_exception(backend, ws):
+    sb = make(backend)
+    for cmd in ("echo a\0b", ["echo", "a\0b"]):
+        r = sb.run(cmd, ws)
+        assert r.exit_code == 126 and not r.timed_out and r.stdout == ""
+        assert "NUL" in r.stderr
+
+
 def test_workspace_must_be_a_directory(backend, tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         make(backend).run(["true"], tmp_path / "missing")

@@ -142,6 +142,16 @@ def test_encode_batch_matches_encode(tok: Tokenizer) -> None:
     ]
 
 
+def test_lone_surrogate_is_a_value_error_that_says_where(tok: Tokenizer) -> None:
+    # a JSON "\ud800" escape decodes to a str that UTF-8 (and so the tokenizer) can not take
+    message = r"lone surrogate '\\ud800' at index 12"
+    for allow_special in (False, True):
+        with pytest.raises(ValueError, match=message):
+            tok.encode("<tool_call>a\ud800", allow_special=allow_special)
+    with pytest.raises(ValueError, match=r"lone surrogate '\\udc00' at index 1"):
+        tok.encode_batch(["ok", "a\udc00"])
+
+
 def test_vocabulary_lookups(tok: Tokenizer) -> None:
     assert tok.vocab_size == VOCAB
     for token_id in range(tok.vocab_size):

@@ -1,5 +1,7 @@
 """The trajectory record round-trips through JSONL and reports malformed lines clearly."""
 
+import json
+
 import pytest
 
 from etude.env.trajectory import (
@@ -63,6 +65,15 @@ def test_malformed_line_names_file_and_line(tmp_path):
         f.write("{not json\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trajectory record"):
         read_jsonl(path)
+    # valid JSON of the wrong shape is named the same way
+    good = json.dumps(make_trajectory().to_json())
+    misaligned = good.replace('"trainable": [0, 0, 0]', '"trainable": [0]', 1)
+    unknown_kind = good.replace('"kind": "unknown_tool"', '"kind": "no_such_kind"', 1)
+    assert misaligned != good and unknown_kind != good
+    for line in ('"a string"', "[1, 2]", '{"turns": []}', misaligned, unknown_kind):
+        path.write_text(good + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trajectory record"):
+            read_jsonl(path)
 
 
 def test_misaligned_mask_is_an_invariant_error():

@@ -262,12 +262,20 @@ def turn_record(conversation: Conversation, span: Span, role: str, text: str) ->
     return Turn(role=role, text=text, token_ids=ids, trainable=mask, logprobs=[0.0] * len(ids))
 
 
+def _encodable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes. A JSON string in a call can
+    hold one (``"\\ud800"``), observations quote the model's strings, and the tokenizer takes only
+    text that UTF-8 can write."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def append_results(conversation: Conversation, turn: TurnResult) -> list[Turn]:
     """Append the answers of ``turn`` (tool messages, or the reminder) and return their Turns."""
     out = []
     for result in turn.results:
-        span = conversation.add_message("tool", result.observation)
-        record = turn_record(conversation, span, "tool", result.observation)
+        observation = _encodable(result.observation)
+        span = conversation.add_message("tool", observation)
+        record = turn_record(conversation, span, "tool", observation)
         record.tool_name = result.call.name if result.call is not None else None
         out.append(record)
     if turn.reminder is not None:

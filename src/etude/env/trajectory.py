@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from etude.tasks.record import write_atomic
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -171,10 +171,7 @@ def write_jsonl(
         with open(path, "a") as f:
             f.write(lines)
         return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(lines)
-    os.replace(tmp, path)
+    write_atomic(path, lines.encode("utf-8"))
 
 
 def read_jsonl(path: str | Path) -> list[Trajectory]:
@@ -186,6 +183,8 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
                 continue
             try:
                 out.append(Trajectory.from_json(json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as e:
+            # JSON of the wrong shape: not an object, missing or unknown keys, misaligned
+            # per-token lists, an unknown error kind (the records' own assertions)
+            except (ValueError, TypeError, AttributeError, AssertionError) as e:
                 raise ValueError(f"{path}:{lineno}: not a trajectory record ({e})") from None
     return out

@@ -224,20 +224,23 @@ class Tokenizer:
         """Token ids of ``text``; nothing is added (no BOS/EOS).
 
         ``allow_special`` says which special-token strings in ``text`` become their ids: none
-        (False, the default, right for untrusted text), all (True), or the named ones.
+        (False, the default, right for untrusted text), all (True), or the named ones. Text
+        with a lone surrogate (which UTF-8 can not write) is a ``ValueError``.
         """
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         pattern = self._split_pattern(allow_special)
-        if pattern is None:
-            return self._plain.encode(text, add_special_tokens=False).ids
+        # re.split with one capture group alternates plain text (even) and a marker (odd)
+        parts = [text] if pattern is None else pattern.split(text)
         ids: list[int] = []
-        # re.split with one capture group alternates plain text (even) and a marker (odd).
-        for i, part in enumerate(pattern.split(text)):
-            if i % 2:
-                ids.append(self._special_ids[part])
-            elif part:
-                ids.extend(self._plain.encode(part, add_special_tokens=False).ids)
+        try:
+            for i, part in enumerate(parts):
+                if i % 2:
+                    ids.append(self._special_ids[part])
+                elif part:
+                    ids.extend(self._plain.encode(part, add_special_tokens=False).ids)
+        except TypeError:  # the Rust side takes only text UTF-8 can write; it says "must be str"
+            raise ValueError(_unencodable(text)) from None
         return ids
 
     def encode_batch(
@@ -249,7 +252,11 @@ class Tokenizer:
             if not isinstance(text, str):
                 raise ValueError(f"texts[{i}] is {type(text).__name__}, expected str")
         if self._split_pattern(allow_special) is None:
-            return [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)]
+            try:
+                encodings = self._plain.encode_batch(texts, add_special_tokens=False)
+            except TypeError:
+                raise ValueError(_unencodable(*texts)) from None
+            return [e.ids for e in encodings]
         return [self.encode(text, allow_special) for text in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -348,6 +355,19 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self._vocab_size})"
+
+
+def _unencodable(*texts: str) -> str:
+    """Why text could not be encoded: a lone surrogate (U+D800-U+DFFF), which UTF-8 can not write."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                f"text holds the lone surrogate {text[e.start]!r} at index {e.start}, which UTF-8 "
+                "can not write; escape it first (str.encode('utf-8', 'backslashreplace'))"
+            )
+    return "text could not be encoded"
 
 
 def _python_files(root: Path) -> Iterator[Path]:

@@ -205,6 +205,8 @@ def _json_objects(text: str) -> list[Any]:
             obj, _ = decoder.raw_decode(text, m.start())
         except json.JSONDecodeError:
             continue
+        except RecursionError:  # nested past the stack: retrying at each inner brace is quadratic
+            break
         out.append(obj)
     return out
 

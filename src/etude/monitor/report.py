@@ -14,8 +14,6 @@ report must be cheap and repeatable; judge verdicts recorded during training are
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 from etude.env.trajectory import Flag, Trajectory, read_jsonl
 from etude.monitor.rules import BUILTIN_RULES, load_rules, scan
 from etude.tasks.honeypot import load_canaries
+from etude.tasks.record import write_atomic
 
 
 def summarize(
@@ -160,14 +159,6 @@ def _trajectory_files(path: Path) -> list[Path]:
     )
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def monitor_main(
     path: str | Path,
     *,
@@ -206,7 +197,7 @@ def monitor_main(
     )
     summary["inputs"] = [str(f) for f in files]
     out = root / "monitor.json"
-    _write_json_atomic(out, summary)
+    write_atomic(out, (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     print(format_summary(summary))
     print(f"\nwrote {out}")
     return summary

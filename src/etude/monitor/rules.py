@@ -368,7 +368,9 @@ def extract_events(traj: Trajectory, packages: tuple[str, ...] = ()) -> list[Eve
                     if p.endswith(".py") and not library.search(p) and not tests.search(p):
                         events.append(Event(i, "script", ev.text, ev.tool, path_tokens(ev.text)))
         elif turn.role == "tool":
-            call = pending.pop(0) if pending else None
+            # one tool message per <tool_call> segment, but only parsed calls are in tool_calls:
+            # the answer to a malformed segment (no tool name) pairs with no call
+            call = pending.pop(0) if pending and turn.tool_name == pending[0].name else None
             paths = _call_paths(call) if call else ()
             events.append(Event(i, "observation", turn.text, turn.tool_name or "", paths, call))
     return events
@@ -416,7 +418,9 @@ _LITERAL = re.compile(
     r"|(?<![\w.])(-?\d[\d_]*(?:\.\d+)?(?:[eE][-+]?\d+)?)(?![\w.])"
 )
 _LINE_PREFIX = re.compile(r"^\s*(?:\d+\s*[|:\t]\s?|[>E]\s+|\d+\s+)?")
-_TUPLE_LINE = re.compile(r"^\s*[\(\[].*[\)\]]\s*,?\s*$")
+# "\s*(?:,\s*)?$", not "\s*,?\s*$": two adjacent \s* backtrack quadratically on a long run of
+# blanks, and observations (model-controlled text) reach this on every line
+_TUPLE_LINE = re.compile(r"^\s*[\(\[].*[\)\]]\s*(?:,\s*)?$")
 
 
 @dataclass(frozen=True, slots=True)

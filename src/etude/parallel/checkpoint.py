@@ -8,7 +8,9 @@ Layout of a run directory::
 Atomicity: a checkpoint is written into ``step_N.partial`` and renamed to ``step_N`` only after
 every rank has finished writing; ``latest`` is replaced by a rename too. A save interrupted at any
 point leaves the previous checkpoint and the ``latest`` pointer intact; a stale ``.partial``
-directory is removed by the next save.
+directory is removed by the next save. Saving again a step that already exists renames the old
+copy to ``step_N.old`` first and removes it after the new one is in place: for the instant
+between those two renames ``latest`` names a missing directory, but nothing is deleted early.
 
 DCP stores tensors by fully-qualified name with their global shapes, so a checkpoint saved
 under one parallel layout (FSDP2 DTensors on any mesh) loads into another layout or world size,
@@ -106,15 +108,20 @@ def save_checkpoint(
         (partial / "extra.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
     _barrier()  # every rank's shards are on disk before the rename makes them visible
     if _rank() == 0:
+        # a re-save of the same step (e.g. a periodic save, then the final one) moves the old
+        # copy aside rather than deleting it first: ``latest`` may name it, and an interrupt
+        # between a delete and the rename would leave no checkpoint at all
+        replaced = ckpt_root / (step_dir_name(step) + ".old")
         if final.exists():
-            shutil.rmtree(final)
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            os.replace(final, replaced)
         os.replace(partial, final)
         _write_text_atomic(ckpt_root / "latest", final.name)
+        shutil.rmtree(replaced, ignore_errors=True)
         if keep_last is not None:
             done = sorted(
-                p
-                for p in ckpt_root.glob("step_*")
-                if p.is_dir() and not p.name.endswith(".partial")
+                p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()
             )
             for old in done[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -156,11 +163,22 @@ def export_safetensors(
         return None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in full.items()}
+    tensors, storages = {}, set()
+    for name, value in full.items():
+        tensor = value.detach().contiguous()
+        # tied weights (embedding = head) share storage, which safetensors refuses to write: the
+        # second name gets its own copy; a strict load fills both names of the tied parameter
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in storages else tensor
+        storages.add(storage)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".model.")
     os.close(fd)
-    save_file(tensors, tmp)
-    os.replace(tmp, out_dir / "model.safetensors")
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, out_dir / "model.safetensors")
+    except BaseException:
+        os.unlink(tmp)
+        raise
     _write_text_atomic(out_dir / "config.json", json.dumps(config, indent=2))
     return out_dir / "model.safetensors"
 

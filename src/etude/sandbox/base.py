@@ -334,6 +334,17 @@ def run_process_tree(
     """
     start = time.monotonic()
     deadline = start + timeout_s
+    if any("\0" in arg for arg in argv):
+        # exec can not pass a NUL (Popen raises ValueError); a model's command may hold one, and
+        # that is a failed command for it to read, not a crash of the caller
+        return Result(
+            stdout="",
+            stderr="the command holds a NUL character, which no program can receive\n",
+            exit_code=126,
+            timed_out=False,
+            duration=time.monotonic() - start,
+            truncated=False,
+        )
     stdin_file = None
     if stdin is not None:  # a file, not a pipe: no writer thread, no deadlock on large input
         stdin_file = tempfile.TemporaryFile()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import sys
 import uuid
@@ -127,12 +128,15 @@ def node_id_from_junit(classname: str, name: str, workspace: Path) -> str:
 def _read_report(path: Path) -> bytes | None:
     """The report's bytes, refusing anything but a regular file the sandbox wrote in place."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a planted symlink must not be followed
+        # a planted symlink must not be followed, and a planted FIFO must not block the open
+        # (the tests see the report path in pytest's argv and may replace it)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory
+        os.close(fd)
+        return None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         data = f.read(MAX_REPORT_BYTES + 1)
     return data if len(data) <= MAX_REPORT_BYTES else None
 
@@ -214,7 +218,11 @@ def run_pytest(
         result = sandbox.run(argv, ws, timeout=timeout, env=env)
         data = _read_report(report)
     finally:
-        report.unlink(missing_ok=True)
+        # the tests may have put a directory in the report's place: no crash, no leftover
+        if report.is_dir() and not report.is_symlink():
+            shutil.rmtree(report, ignore_errors=True)
+        else:
+            report.unlink(missing_ok=True)
     parsed = parse_junit(data, ids, ws) if data is not None else None
     results, saw_collection_error = parsed if parsed is not None else ({}, False)
     for test_id in ids:

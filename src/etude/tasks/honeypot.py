@@ -76,6 +76,9 @@ class Canary:
             raise ValueError(
                 f"canary kind {data['kind']!r} is not one of {', '.join(CANARY_KINDS)}"
             )
+        for key in ("path", "token"):
+            if not isinstance(data[key], str) or not data[key]:
+                raise ValueError(f"canary {key} must be a non-empty string, got {data[key]!r}")
         return cls(kind=data["kind"], path=data["path"], token=data["token"])
 
 
@@ -355,8 +358,8 @@ def load_canaries(path: str | Path) -> dict[str, list[Canary]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not a task record ({e})") from None
-            if "instance_id" not in record:
-                raise ValueError(f"{path}:{lineno}: task record has no instance_id")
+            if not isinstance(record, dict) or "instance_id" not in record:
+                raise ValueError(f"{path}:{lineno}: not a task record with an instance_id")
             out[record["instance_id"]] = canaries_from_record(record)
         return out
     try:

@@ -347,11 +347,13 @@ def save_tasks(path: str | Path, records: Iterable[TaskRecord]) -> Path:
             )
         seen.add(record.instance_id)
     payload = "".join(record.to_json() + "\n" for record in records)
-    _write_atomic(path, payload.encode("utf-8"))
+    write_atomic(path, payload.encode("utf-8"))
     return path
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one (temp
+    file in the same directory, fsync, rename, fsync of the directory); mode 0644."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -501,7 +503,7 @@ def archive_workspace(directory: str | Path, archive: str | Path) -> Path:
     data = buffer.getvalue()
     if not str(archive).endswith(".tar"):
         data = gzip.compress(data, mtime=0)
-    _write_atomic(archive, data)
+    write_atomic(archive, data)
     return archive
 
 
