@@ -11,7 +11,20 @@ The loop: forward -> next-token cross-entropy -> backward -> grad clip -> Muon/A
 aux-loss-free expert-bias update -> metrics; checkpoints (DCP) every ``checkpoint_every`` steps
 and at the end; a safetensors export and a sample generation at the end.
 
+Distributed (``torchrun --nproc-per-node N -m etude pretrain RECIPE parallel.cp=2 ...``): the
+process group comes from torchrun's environment (gloo on CPU, nccl on CUDA); the model is built
+on the meta device, ``etude.parallel.parallelize``-d on the dual mesh (EP, CP, FSDP2) and then
+materialized. Step ``s`` draws ``batch_size * dp`` sequences exactly as one process drawing that
+many would; data-parallel rank d keeps sequences ``[d * batch_size, (d + 1) * batch_size)`` and
+the cp ranks split each of them (load-balanced chunks). Each rank's loss is the sum of its
+tokens' cross-entropy divided by the tokens of the global batch, so the ranks' losses and
+gradients sum to the global mean's (FSDP sums gradients, see ``etude.parallel.fsdp``). Gradient
+clipping combines both meshes; only rank 0 logs and writes files other than checkpoint shards.
+With one process (plain ``etude pretrain``) the path is the single-device one, unchanged.
+
 Not covered: data mixtures, packing with document masks, evaluation suites.
+
+Legend: B sequences, T tokens per sequence, V vocabulary.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from typing import Any, Literal
 from etude.config import from_dict, to_dict
 from etude.model.config import ModelConfig
 from etude.optim import OptimConfig
+from etude.parallel.dims import ParallelConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,7 +52,8 @@ class DataConfig:
     seq_len: int = 256
     """Tokens per training sequence."""
     batch_size: int = 16
-    """Sequences per optimizer step (per data-parallel rank)."""
+    """Sequences per optimizer step per data-parallel rank (the global batch is batch_size *
+    dp_replicate * dp_shard; cp ranks share their sequences)."""
     val_fraction: float = 0.02
     """Share of the token stream held out for validation loss."""
 
@@ -107,6 +122,7 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def model_config(self) -> ModelConfig:
         return resolve_model_config(self.model)
@@ -190,13 +206,96 @@ def next_token_loss(model, inputs_BT, targets_BT):
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
 
 
-def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
-    """Train (or resume) per ``cfg``; returns final metrics (loss, val_loss, step)."""
+def data_parallel_slice(tensors_BT, dp: int, dp_rank: int):
+    """Data-parallel rank ``dp_rank``'s sequences of a global batch: a contiguous slice of B/dp."""
+    out = []
+    for t in tensors_BT:
+        if t.shape[0] % dp:
+            raise ValueError(
+                f"global batch of {t.shape[0]} sequences does not split over {dp} data-parallel "
+                "ranks; use a multiple of dp_replicate * dp_shard"
+            )
+        per_rank = t.shape[0] // dp
+        out.append(t[dp_rank * per_rank : (dp_rank + 1) * per_rank])
+    return out
+
+
+def sharded_next_token_loss(
+    model, inputs_BT, targets_BT, *, mesh, cp_mode: str, num_global_tokens: int, backward: bool
+):
+    """This rank's share of the global mean next-token loss (and its backward, if asked).
+
+    ``inputs_BT``/``targets_BT`` are the rank's data-parallel sequences, whole; the cp ranks
+    split them here. Returns ``sum over the rank's tokens of CE / num_global_tokens`` (detached):
+    summed over all ranks it is the global batch's mean loss, and so are the gradients.
+    """
     import torch
+    import torch.nn.functional as F
+
+    from etude.parallel.context import context_parallel_batch
+
+    batch, seq = inputs_BT.shape
+    positions_BT = torch.arange(seq, device=inputs_BT.device).expand(batch, seq)
+    with context_parallel_batch(mesh.cp, cp_mode, [inputs_BT, targets_BT, positions_BT]) as (
+        x_BT,
+        y_BT,
+        pos_BT,
+    ):
+        logits_BTV = model(x_BT, positions_BT=pos_BT)
+        loss = F.cross_entropy(
+            logits_BTV.flatten(0, 1).float(), y_BT.flatten(), reduction="sum"
+        ) / float(num_global_tokens)
+        if backward:
+            loss.backward()
+    return loss.detach()
+
+
+def all_reduce_sum(value):
+    """Sum a scalar tensor over all ranks (identity without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
+def init_distributed(device_setting: str):
+    """Join torchrun's process group when launched with WORLD_SIZE > 1.
+
+    Returns ``(device, rank, world_size)``. gloo on CPU, nccl on CUDA (one GPU per process,
+    ``LOCAL_RANK``). Without torchrun's environment: ``(device, 0, 1)`` and no process group.
+    """
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return torch.device("cuda" if use_cuda else "cpu"), 0, 1
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
+    """Train (or resume) per ``cfg``; returns final metrics (loss, val_loss, step).
+
+    Under torchrun every rank calls this; the result is the same on every rank.
+    """
+    import torch
+    import torch.distributed as dist
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from etude.engine import Engine, SamplingParams
-    from etude.model.transformer import build_model
+    from etude.model.transformer import Transformer, build_model
     from etude.optim import build_optimizer
     from etude.parallel.checkpoint import (
         export_safetensors,
@@ -204,51 +303,103 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
         load_checkpoint,
         save_checkpoint,
     )
+    from etude.parallel.dims import ParallelDims
     from etude.report.metrics import MetricsLogger, format_step_line, prepare_run_dir
 
     tc, dc = cfg.train, cfg.data
-    device = torch.device(
-        "cuda"
-        if tc.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if tc.device == "auto" else tc.device)
-    )
     mcfg = cfg.model_config()
-    run_dir = prepare_run_dir(tc.run_dir, to_dict(cfg))
+    device, rank, world_size = init_distributed(tc.device)
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, world_size)
+        dims.check_model(mcfg)
+        dims.check_seq_len(dc.seq_len)
+    except ValueError:
+        if world_size > 1:
+            dist.destroy_process_group()
+        raise
+    parallel = dims.is_parallel
+    is_main = rank == 0
 
+    def barrier() -> None:
+        if parallel:
+            dist.barrier()
+
+    # rank 0 writes the run directory, the tokenizer and the token cache; the others read them
+    run_dir = Path(tc.run_dir)
+    if is_main:
+        prepare_run_dir(run_dir, to_dict(cfg))
     texts = _corpus(dc)
-    tok = load_or_train_tokenizer(run_dir, mcfg.vocab_size, texts)
-    stream = token_stream(tok, texts, run_dir / "tokens.pt")
+    if is_main:
+        tok = load_or_train_tokenizer(run_dir, mcfg.vocab_size, texts)
+        stream = token_stream(tok, texts, run_dir / "tokens.pt")
+    barrier()
+    if not is_main:
+        tok = load_or_train_tokenizer(run_dir, mcfg.vocab_size, texts)
+        stream = token_stream(tok, texts, run_dir / "tokens.pt")
     num_val = max(int(len(stream) * dc.val_fraction), dc.seq_len * 2)
     train_stream, val_stream = stream[:-num_val], stream[-num_val:]
 
     torch.manual_seed(tc.seed)
-    model = build_model(mcfg, device=device, seed=tc.seed)
+    mesh, cp_mode, dp_rank = None, "allgather", 0
+    if not parallel:
+        model = build_model(mcfg, device=device, seed=tc.seed)
+    else:
+        from etude.parallel.context import resolve_cp_mode
+        from etude.parallel.fsdp import materialize, parallelize
+
+        mesh = dims.build_mesh(device.type)
+        cp_mode = resolve_cp_mode(cfg.parallel.cp_attention, device.type)
+        dp_rank = mesh.coordinate()["dp"]
+        with torch.device("meta"):
+            model = Transformer(mcfg)
+        parallelize(model, mesh, cp_mode=cp_mode)
+        materialize(model, device, seed=tc.seed, init=cfg.parallel.init)
+        if is_main:
+            print(f"parallel: {dims.describe()} | cp attention {cp_mode}")
     optimizer = build_optimizer(model, cfg.optim)
     base_lrs = [g["lr"] for g in optimizer.param_groups]
 
     start_step = 0
-    logger = MetricsLogger(run_dir, config=to_dict(cfg))
+    logger = MetricsLogger(run_dir, config=to_dict(cfg), enabled=is_main)
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         extra = load_checkpoint(ckpt, model, optimizer)
         start_step = extra["step"]
         logger.truncate_after(start_step)
-        print(f"resumed from {ckpt} at step {start_step}")
+        if is_main:
+            print(f"resumed from {ckpt} at step {start_step}")
+
+    global_batch = dc.batch_size * dims.dp
+    tokens_per_step = global_batch * dc.seq_len
+
+    def batch_for(stream_part, step: int):
+        inputs, targets = sample_batch(stream_part, step, tc.seed, global_batch, dc.seq_len, device)
+        if not parallel:
+            return inputs, targets
+        return data_parallel_slice((inputs, targets), dims.dp, dp_rank)
 
     def evaluate() -> float:
         model.eval()
         with torch.no_grad():
-            losses = [
-                next_token_loss(
-                    model,
-                    *sample_batch(val_stream, -1 - i, tc.seed, dc.batch_size, dc.seq_len, device),
-                ).item()
-                for i in range(tc.eval_batches)
-            ]
+            losses = []
+            for i in range(tc.eval_batches):
+                inputs, targets = batch_for(val_stream, -1 - i)
+                if parallel:
+                    part = sharded_next_token_loss(
+                        model,
+                        inputs,
+                        targets,
+                        mesh=mesh,
+                        cp_mode=cp_mode,
+                        num_global_tokens=tokens_per_step,
+                        backward=False,
+                    )
+                    losses.append(all_reduce_sum(part).item())
+                else:
+                    losses.append(next_token_loss(model, inputs, targets).item())
         model.train()
         return sum(losses) / len(losses)
 
-    tokens_per_step = dc.batch_size * dc.seq_len
     metrics: dict[str, float] = {}
     model.train()
     progress = Progress(
@@ -257,7 +408,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
         TextColumn("{task.completed}/{task.total}"),
         TextColumn("{task.fields[info]}"),
         TimeRemainingColumn(),
-        disable=not tc.progress,
+        disable=not (tc.progress and is_main),
         transient=True,
     )
     with progress:
@@ -266,16 +417,31 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
             t0 = time.perf_counter()
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = base * lr_factor(step, tc)
-            inputs, targets = sample_batch(
-                train_stream, step, tc.seed, dc.batch_size, dc.seq_len, device
-            )
-            loss = next_token_loss(model, inputs, targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")
-            )
+            inputs, targets = batch_for(train_stream, step)
+            max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+            if not parallel:
+                loss = next_token_loss(model, inputs, targets)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            else:
+                from etude.parallel.fsdp import clip_grad_norm, sync_expert_load
+
+                optimizer.zero_grad(set_to_none=True)
+                loss = sharded_next_token_loss(
+                    model,
+                    inputs,
+                    targets,
+                    mesh=mesh,
+                    cp_mode=cp_mode,
+                    num_global_tokens=tokens_per_step,
+                    backward=True,
+                )
+                loss = all_reduce_sum(loss)
+                grad_norm = clip_grad_norm(model.parameters(), max_norm)
             optimizer.step()
+            if parallel:
+                sync_expert_load(model)
             model.update_expert_bias()
             dt = time.perf_counter() - t0
             metrics = {
@@ -289,7 +455,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
                 metrics["val_loss"] = evaluate()
             logger.log(done, metrics)
             progress.update(bar, advance=1, info=f"loss {metrics['loss']:.3f}")
-            if done % tc.log_every == 0 or done == tc.steps:
+            if is_main and (done % tc.log_every == 0 or done == tc.steps):
                 progress.console.print(
                     format_step_line(done, metrics, ("loss", "val_loss", "grad_norm", "tok/s"))
                 )
@@ -299,6 +465,25 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
                 )
 
     export_safetensors(model, run_dir / "export", to_dict(mcfg))
+    if is_main:
+        sample_model = model
+        if parallel:
+            from etude.parallel.checkpoint import load_safetensors
+
+            # the sharded, context-parallel model cannot generate alone: reload the export
+            sample_model = build_model(mcfg, device=device, seed=tc.seed)
+            load_safetensors(sample_model, run_dir / "export" / "model.safetensors")
+        _write_sample(sample_model, tok, tc, run_dir)
+    logger.close()
+    if parallel:
+        barrier()
+        dist.destroy_process_group()
+    return {"step": tc.steps, **metrics}
+
+
+def _write_sample(model, tok, tc: TrainConfig, run_dir: Path) -> None:
+    from etude.engine import Engine, SamplingParams
+
     engine = Engine(model, decode_fn=tok.decode)
     prompt = tok.encode(tc.sample_prompt)
     gen = engine.generate(
@@ -308,5 +493,3 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
     sample = tc.sample_prompt + tok.decode(gen.token_ids)
     print("sample:\n" + sample)
     (run_dir / "sample.txt").write_text(sample)
-    logger.close()
-    return {"step": tc.steps, **metrics}
