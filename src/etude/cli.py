@@ -88,6 +88,25 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from etude.demo import load_demo_recipe, run_demo
+
+    config, overrides = args.config, list(args.overrides)
+    if "=" in config and not config.endswith(
+        ".toml"
+    ):  # `etude demo rl.train.steps=4`: no recipe given
+        config, overrides = "configs/demo.toml", [config, *overrides]
+    if args.length:
+        overrides.append(f"demo.length={args.length}")
+    if args.no_feedback:
+        overrides.append("demo.feedback=false")
+    run_dir = args.run_dir or ("runs/demo-no-feedback" if args.no_feedback else None)
+    if run_dir:
+        overrides.append(f'demo.run_dir="{run_dir}"')
+    run_demo(load_demo_recipe(config, overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="etude", description="etude: an open training stack for agentic coding models."
@@ -97,11 +116,42 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "pretrain", help="continued pretraining of the MoE model on a local code corpus"
     )
-    sp.add_argument("config", help="TOML recipe, e.g. configs/demo.toml")
+    sp.add_argument("config", help="TOML recipe, e.g. configs/pretrain-tiny.toml")
     sp.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 optim.lr=0.01"
     )
     sp.set_defaults(func=cmd_pretrain)
+
+    sp = sub.add_parser(
+        "demo",
+        help="the whole loop on the bundled repo: tasks -> SFT -> RL with text feedback -> eval -> report",
+        description="Build feature-deletion tasks from the bundled example repo, warm-start the tiny "
+        "model by SFT, run RL with text feedback, the monitor and curriculum sampling, evaluate the "
+        "final policy without hints, and write RUN_DIR/report.html. Run it again with the same run "
+        "directory and it resumes where it stopped.",
+    )
+    sp.add_argument(
+        "config",
+        nargs="?",
+        default="configs/demo.toml",
+        help="TOML recipe (default: configs/demo.toml)",
+    )
+    sp.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. rl.train.steps=4 sft.train.steps=50"
+    )
+    sp.add_argument(
+        "--run-dir",
+        help="run directory (default: runs/demo, or runs/demo-no-feedback with --no-feedback)",
+    )
+    sp.add_argument(
+        "--length",
+        choices=["short", "default", "long"],
+        help="scale SFT and RL steps: short 0.3x, long 3x",
+    )
+    sp.add_argument(
+        "--no-feedback", action="store_true", help="the ablation: RL without the hinted-teacher KL"
+    )
+    sp.set_defaults(func=cmd_demo)
 
     sp = sub.add_parser("generate", help="sample a completion from a finished run")
     sp.add_argument("run_dir", help="run directory written by etude pretrain")
@@ -141,7 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     # subsystems register their own subcommands; these imports are argparse-only (no torch)
     from etude.plan.report import add_plan_parser
     from etude.report.cli import add_report_parser
+    from etude.rl.cli import add_rl_parsers
+    from etude.tasks.cli import add_tasks_parser
 
+    add_tasks_parser(sub)
+    add_rl_parsers(sub)
     add_plan_parser(sub)
     add_report_parser(sub)
     return p

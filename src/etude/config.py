@@ -2,7 +2,7 @@
 
 Each component owns a small config dataclass (``@dataclass(kw_only=True, slots=True)``, a
 docstring per field, checks in ``__post_init__`` raising ``ValueError``). A recipe is a TOML file
-whose tables are those sections; ``etude pretrain configs/demo.toml optim.lr=0.01`` applies
+whose tables are those sections; ``etude pretrain configs/pretrain-tiny.toml optim.lr=0.01`` applies
 dotted overrides on top. Unknown keys and wrong types are errors that name the key and the fix.
 
 This module imports no torch, so configs can be read and checked without it.

@@ -115,7 +115,7 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PretrainConfig:
-    """A pretraining recipe: ``configs/demo.toml`` and friends."""
+    """A pretraining recipe: ``configs/pretrain-tiny.toml`` and friends."""
 
     model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
     """``preset`` names a ModelConfig preset; other keys override its fields."""
