@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: system-deps $(STAMP)
-	$(BIN)/etude pretrain configs/demo.toml
+	$(BIN)/etude demo configs/demo.toml
 
 test: system-deps $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
