@@ -1,0 +1,151 @@
+"""Optional agent deleter: a model proposes which code to delete; the factory validates it.
+
+The factory's own proposals come from coverage and static analysis. As an alternative source
+(the way the feature-deletion recipe was first described: a model is asked to delete code so the
+codebase keeps working while a testable feature is gone), ``propose_with_agent`` shows a model
+behind an OpenAI-compatible ``/chat/completions`` endpoint one module at a time (its source and
+public names) and asks for features as JSON::
+
+    {"features": [{"delete": ["slugify", "_fold_accents"], "why": "..."}]}
+
+Each proposal becomes a ``Feature`` only if it passes the same static checks as the factory's
+own (``Miner.custom_feature``: definitions exist, nothing outside the set uses them, tests
+exercise them), and then goes through the same deletion, sanitizing, leak scan and validation;
+the records say ``kind = "agent_deletion"``.
+
+Off by default (``enabled = false``). The key is read from the environment variable named by
+``api_key_env`` and sent as a bearer token; nothing else leaves the machine but the module's
+source. Uses ``urllib`` only.
+
+What this module does not do: let the model edit files (it names definitions; LibCST deletes),
+retry on rate limits beyond one attempt per module, or trust the model's claims about tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "You design programming exercises from real code. Given one Python module, choose features "
+    "to delete so that the rest of the package still works and the feature's tests fail. A "
+    "feature is a public function, class or method together with the private helpers only it "
+    "uses. Answer with JSON only."
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentDeleterConfig:
+    """A model behind an OpenAI-compatible endpoint that proposes deletions (TOML ``[agent]``)."""
+
+    enabled: bool = False
+    """Ask the model for features in addition to the factory's own proposals."""
+    base_url: str = "http://localhost:8000/v1"
+    """Endpoint root; ``/chat/completions`` is appended."""
+    model: str = ""
+    """Model name sent in the request."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the API key (empty or unset: no Authorization header)."""
+    temperature: float = 0.0
+    """Sampling temperature."""
+    max_features_per_module: int = 3
+    """Most proposals kept per module."""
+    max_source_chars: int = 40000
+    """Modules longer than this are not sent."""
+    timeout_s: float = 120.0
+    """Seconds per request."""
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.model:
+            raise ValueError("agent.model must name the model when agent.enabled is true")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"agent.base_url={self.base_url!r} must be an http(s) URL")
+        if self.max_features_per_module < 1:
+            raise ValueError("agent.max_features_per_module must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError("agent.timeout_s must be > 0")
+
+
+def chat(cfg: AgentDeleterConfig, messages: list[dict[str, str]]) -> str:
+    """One chat completion; returns the assistant's text. Network errors raise ``RuntimeError``."""
+    body = json.dumps(
+        {"model": cfg.model, "messages": messages, "temperature": cfg.temperature}
+    ).encode()
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(
+        cfg.base_url.rstrip("/") + "/chat/completions", data=body, headers=headers, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=cfg.timeout_s) as response:
+            payload = json.loads(response.read().decode())
+    except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as e:
+        raise RuntimeError(f"agent deleter request to {cfg.base_url} failed: {e}") from None
+    try:
+        return payload["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise RuntimeError(
+            f"agent deleter got an unexpected response: {str(payload)[:300]}"
+        ) from None
+
+
+def module_prompt(module: str, source: str, public: list[str]) -> str:
+    """The user message for one module."""
+    names = ", ".join(public) or "(none)"
+    return (
+        f"Module `{module}`:\n\n```python\n{source}\n```\n\nPublic definitions: {names}.\n\n"
+        'Reply with {"features": [{"delete": [names...], "why": "..."}]}, where names are '
+        "top-level names or Class.method, including the private helpers only that feature uses."
+    )
+
+
+def parse_features(text: str) -> list[list[str]]:
+    """The ``delete`` lists of a model reply (the first JSON object in it); [] if none parse."""
+    match = re.search(r"\{.*\}", text, re.DOTALL)
+    if not match:
+        return []
+    try:
+        data = json.loads(match.group(0))
+    except json.JSONDecodeError:
+        return []
+    out = []
+    for item in data.get("features", []) if isinstance(data, dict) else []:
+        names = item.get("delete") if isinstance(item, dict) else None
+        if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+            out.append(list(dict.fromkeys(names)))
+    return out
+
+
+def propose_with_agent(
+    miner: Any, cfg: AgentDeleterConfig, proposal_cfg: Any
+) -> tuple[list[Any], dict[str, str]]:
+    """Ask the model about every importable module; return (features, rejected name -> reason)."""
+    features = []
+    rejected: dict[str, str] = {}
+    for module, mod in sorted(miner.index.items()):
+        if module not in miner.baseline.importable or len(mod.source) > cfg.max_source_chars:
+            continue
+        public = [q for q in mod.units if not any(p.startswith("_") for p in q.split("."))]
+        if not public:
+            continue
+        reply = chat(
+            cfg,
+            [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": module_prompt(module, mod.source, public)},
+            ],
+        )
+        for names in parse_features(reply)[: cfg.max_features_per_module]:
+            result = miner.custom_feature(module, names, proposal_cfg)
+            if isinstance(result, str):
+                rejected[f"{module}:{'+'.join(names)}"] = f"agent proposal: {result}"
+            else:
+                features.append(result)
+    return features, rejected

@@ -1,0 +1,451 @@
+"""Validate a feature-deletion task by running its tests, and re-check a finished record.
+
+A task is valid when, all in the sandbox:
+
+1. the package still imports (every module that imported before, but the deleted ones);
+2. on the broken workspace, at least one candidate test fails (those become FAIL_TO_PASS) and
+   every other test that passed in the baseline still passes (PASS_TO_PASS); a baseline-passing
+   test outside the candidates that fails rejects the task (the deletion broke something else);
+3. with trivial bodies (``raise NotImplementedError``, then ``pass``) in place of the feature, the
+   FAIL_TO_PASS tests still fail: tests that a stub passes say nothing about the feature and are
+   dropped from FAIL_TO_PASS (the task is rejected if none remain);
+4. the gold patch (broken -> original) applies with ``git apply``, restores the original files
+   byte for byte, and makes every FAIL_TO_PASS test pass (with ``gold_full_suite`` also every
+   PASS_TO_PASS test; otherwise those rest on the restored tree being identical to the baseline
+   tree, where they passed in every baseline run).
+
+Broken-tree runs execute the whole suite with ``--continue-on-collection-errors``: a deleted
+module makes its test files uncollectable, and their tests count as failing. Runs with explicit
+ids (stubs, gold) are used only where every id is collectable. Every run happens in a scratch
+copy; the shipped workspace is never executed in.
+
+``check_record`` re-validates a finished record from the record alone (``etude tasks check``):
+the workspace's commit, F2P failing and P2P passing on it, the gold patch passing both, the stubs
+failing F2P, and a fresh leak scan (the deleted code is what the gold patch adds back).
+
+What this module does not do: choose features, delete code or build workspaces; nor guard
+against tests that pass by accident (randomness, order dependence) beyond the baseline's
+flakiness filter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from etude.sandbox.pytest import TestRun, run_pytest
+from etude.tasks.delete import (
+    StubKind,
+    apply_patch,
+    patch_added_text,
+    patch_paths,
+    read_source,
+    stub_definitions,
+    write_source,
+)
+from etude.tasks.mine import canonical_outcomes, junit_address, probe_imports
+from etude.tasks.record import TaskRecord, resolve_workspace, tree_digest
+from etude.tasks.sanitize import (
+    LeakMaterial,
+    distinctive_material,
+    leak_scan,
+    source_code_streams,
+    tree_files,
+    workspace_head,
+)
+
+COLLECT_ANYWAY = ("--continue-on-collection-errors",)
+STUB_KINDS: tuple[StubKind, ...] = ("raise", "pass")
+
+
+def absolute_env(test_env: Mapping[str, str], workspace: Path) -> dict[str, str]:
+    """``test_env`` with relative ``PYTHONPATH`` entries made absolute under ``workspace``."""
+    env = dict(test_env)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(
+            p if os.path.isabs(p) else str(workspace / p)
+            for p in env["PYTHONPATH"].split(os.pathsep)
+        )
+    return env
+
+
+def copy_tree(src: Path, dest: Path) -> Path:
+    """A scratch copy of ``src`` at ``dest`` (symlinks kept as links)."""
+    shutil.copytree(src, dest, symlinks=True)
+    return dest
+
+
+@dataclass(kw_only=True, slots=True)
+class RunLog:
+    """Test runs made for one task: count and sandboxed seconds (for the benchmark)."""
+
+    runs: int = 0
+    seconds: float = 0.0
+
+    def add(self, run: TestRun | Any) -> None:
+        self.runs += 1
+        self.seconds += run.duration
+
+
+@dataclass(kw_only=True, slots=True)
+class Validation:
+    """Outcome of validating one task."""
+
+    ok: bool
+    """Every check passed."""
+    reason: str = ""
+    """Why not (first failed check), empty when ok."""
+    fail_to_pass: list[str] = field(default_factory=list)
+    pass_to_pass: list[str] = field(default_factory=list)
+    stub_passing: list[str] = field(default_factory=list)
+    """Candidate tests that fail on the broken tree but pass with a trivial body (dropped)."""
+    log: RunLog = field(default_factory=RunLog)
+
+
+def _not_doctest(test_id: str, package_files: set[str]) -> bool:
+    # doctest items live in package modules; they vanish with the docstrings they came from
+    return test_id.split("::", 1)[0] not in package_files
+
+
+def _failing(outcomes: Mapping[str, str], ids: Iterable[str]) -> set[str]:
+    return {t for t in ids if outcomes.get(t, "error") != "passed"}
+
+
+def stub_tree_files(
+    originals: Mapping[str, str],
+    definitions: Sequence[tuple[str, Sequence[str]]],
+    files: Sequence[str],
+    kind: StubKind,
+) -> dict[str, str]:
+    """Path -> source with the feature's bodies trivial (``files``: every function of the file)."""
+    out = {}
+    for path, qualnames in definitions:
+        out[path] = stub_definitions(originals[path], qualnames, kind)
+    for path in files:
+        out[path] = stub_definitions(originals[path], None, kind)
+    return out
+
+
+def validate_task(
+    *,
+    sandbox: Any,
+    workspace: Path,
+    original_tree: Path,
+    scratch: Path,
+    patch: str,
+    originals: Mapping[str, str],
+    definitions: Sequence[tuple[str, Sequence[str]]],
+    deleted_files: Sequence[str],
+    candidates: Iterable[str],
+    baseline_passing: Iterable[str],
+    canonical: Mapping[tuple[str, str], str],
+    importable: Iterable[str],
+    deleted_modules: Iterable[str],
+    package_files: Iterable[str],
+    test_env: Mapping[str, str],
+    timeout: float,
+    pytest_args: Sequence[str] = (),
+    gold_full_suite: bool = False,
+) -> Validation:
+    """Validate the broken ``workspace`` (module docstring, steps 1-4).
+
+    ``original_tree`` is the unmodified export; ``originals`` the original texts of the files the
+    deletion touched; ``scratch`` an empty directory for the run copies.
+    """
+    log = RunLog()
+    package_files = set(package_files)
+    passing = set(baseline_passing)
+    candidates = set(candidates) & passing
+    args = [*COLLECT_ANYWAY, *pytest_args]
+
+    broken = copy_tree(workspace, scratch / "broken")
+    env = absolute_env(test_env, broken)
+    expected = sorted(set(importable) - set(deleted_modules))
+    t0 = time.monotonic()
+    imported = set(probe_imports(sandbox, broken, expected, env, timeout))
+    log.runs += 1
+    log.seconds += time.monotonic() - t0
+    lost = [m for m in expected if m not in imported]
+    if lost:
+        return Validation(
+            ok=False, reason=f"package no longer imports: {', '.join(lost[:3])}", log=log
+        )
+
+    run = run_pytest(sandbox, broken, [], timeout=timeout, extra_args=args, env=env)
+    log.add(run)
+    if run.timed_out:
+        return Validation(ok=False, reason="broken-tree run timed out", log=log)
+    outcomes = canonical_outcomes(run, canonical)
+    failing = _failing(outcomes, passing)
+    unexpected = sorted(failing - candidates)
+    if unexpected:
+        return Validation(
+            ok=False,
+            reason=f"PASS_TO_PASS broken: {len(unexpected)} other tests fail, e.g. {unexpected[0]}",
+            log=log,
+        )
+    f2p = {t for t in failing & candidates if _not_doctest(t, package_files)}
+    if not f2p:
+        return Validation(ok=False, reason="no test fails after the deletion", log=log)
+    p2p = passing - failing
+
+    stub_passing: set[str] = set()
+    for kind in STUB_KINDS:
+        tree = copy_tree(original_tree, scratch / f"stub-{kind}")
+        for path, text in stub_tree_files(originals, definitions, deleted_files, kind).items():
+            write_source(tree / path, text)
+        ids = sorted(f2p - stub_passing)
+        if not ids:
+            break
+        stub_run = run_pytest(
+            sandbox, tree, ids, timeout=timeout, extra_args=args, env=absolute_env(test_env, tree)
+        )
+        log.add(stub_run)
+        stub_outcomes = canonical_outcomes(stub_run, canonical)
+        stub_passing |= {t for t in ids if stub_outcomes.get(t) == "passed"}
+        shutil.rmtree(tree, ignore_errors=True)
+    f2p -= stub_passing
+    if not f2p:
+        return Validation(
+            ok=False,
+            reason="a trivial body (raise NotImplementedError / pass) passes every failing test",
+            stub_passing=sorted(stub_passing),
+            log=log,
+        )
+
+    gold = copy_tree(workspace, scratch / "gold")  # the broken run may have left files behind
+    try:
+        apply_patch(gold, patch)
+    except ValueError as e:
+        return Validation(ok=False, reason=str(e), log=log)
+    for path, text in originals.items():
+        restored = gold / path
+        if not restored.is_file() or restored.read_bytes() != text.encode("utf-8"):
+            return Validation(ok=False, reason=f"gold patch does not restore {path}", log=log)
+    if dict(tree_files(gold)) != dict(tree_files(original_tree)):
+        return Validation(ok=False, reason="gold-patched tree differs from the original", log=log)
+    gold_ids = sorted(f2p | p2p) if gold_full_suite else sorted(f2p)
+    gold_run = run_pytest(
+        sandbox, gold, gold_ids, timeout=timeout, extra_args=args, env=absolute_env(test_env, gold)
+    )
+    log.add(gold_run)
+    gold_outcomes = canonical_outcomes(gold_run, canonical)
+    not_passing = sorted(_failing(gold_outcomes, gold_ids))
+    if not_passing:
+        return Validation(
+            ok=False,
+            reason=f"gold patch leaves {len(not_passing)} tests failing, e.g. {not_passing[0]}",
+            log=log,
+        )
+    return Validation(
+        ok=True,
+        fail_to_pass=sorted(f2p),
+        pass_to_pass=sorted(p2p),
+        stub_passing=sorted(stub_passing),
+        log=log,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# re-checking a finished record
+
+
+def locate_symbol(tree: Path, dotted: str) -> tuple[str, str] | None:
+    """``(module path, qualname)`` of a dotted symbol in ``tree`` (``""`` qualname: a module)."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        for root in ("", "src/"):
+            base = root + "/".join(parts[:k])
+            for candidate in (base + ".py", base + "/__init__.py"):
+                if (tree / candidate).is_file():
+                    return candidate, ".".join(parts[k:])
+    return None
+
+
+def record_leak_material(
+    record: TaskRecord,
+    workspace: Path,
+    *,
+    gold: Path | None = None,
+    min_line_chars: int = 16,
+    ngram: int = 3,
+) -> LeakMaterial:
+    """The leak scan's material for a record, from the record and its workspace alone.
+
+    The deleted code is what the gold patch adds back (and the code objects of the record's
+    symbols in the patched files); the remaining tree is the workspace without ``.git``.
+    ``gold``: the workspace with the patch applied, when the caller has one already.
+    """
+    assert record.etude is not None
+    with tempfile.TemporaryDirectory(prefix="etude-gold-") as tmp:
+        if gold is None:
+            gold = copy_tree(workspace, Path(tmp) / "gold")
+            apply_patch(gold, record.patch)
+        paths = patch_paths(record.patch)
+        originals = {p: read_source(gold / p) for p in paths if (gold / p).is_file()}
+        created = [p for p in paths if not (workspace / p).exists()]
+        quals: dict[str, list[str]] = {}
+        for symbol in record.etude.symbols:
+            where = locate_symbol(gold, symbol)
+            if where is not None and where[1]:
+                quals.setdefault(where[0], []).append(where[1])
+        streams: list[list[str]] = []
+        for path, text in originals.items():
+            if not path.endswith(".py"):
+                continue
+            if path in created:
+                streams += source_code_streams(text, None)
+            elif quals.get(path):
+                streams += source_code_streams(text, quals[path])
+        return distinctive_material(
+            patch_added_text(record.patch),
+            streams,
+            tree_files(workspace),
+            deleted_paths=created,
+            min_line_chars=min_line_chars,
+            n=ngram,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckResult:
+    """Outcome of re-validating one record."""
+
+    instance_id: str
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    leak_scan: dict[str, Any] | None = None
+    log: RunLog = field(default_factory=RunLog)
+
+
+def check_record(
+    record: TaskRecord,
+    base_dir: str | Path,
+    sandbox: Any,
+    *,
+    timeout: float = 600.0,
+    min_line_chars: int | None = None,
+    ngram: int | None = None,
+) -> CheckResult:
+    """Re-validate ``record`` (module docstring); ``base_dir`` holds its task file."""
+    result = CheckResult(instance_id=record.instance_id, ok=False)
+    problems = result.problems
+    if record.etude is None:
+        problems.append("not an etude record (no etude.workspace)")
+        return result
+    extra = record.etude.extra
+    test_env = dict(extra.get("test_env", {}))
+    pytest_args = [*COLLECT_ANYWAY, *extra.get("pytest_args", [])]
+    scan_cfg = record.etude.leak_scan or {}
+    min_line_chars = min_line_chars or int(scan_cfg.get("min_line_chars", 16))
+    ngram = ngram or int(scan_cfg.get("ngram", 3))
+    with tempfile.TemporaryDirectory(prefix="etude-check-") as tmp:
+        scratch = Path(tmp)
+        workspace = resolve_workspace(record, base_dir, dest=scratch / "extracted")
+        if record.base_commit.startswith("sha256:"):
+            if tree_digest(workspace) != record.base_commit:
+                problems.append("workspace digest differs from base_commit")
+        else:
+            try:
+                head, clean = workspace_head(workspace)
+            except RuntimeError as e:
+                problems.append(f"workspace is not a git repository: {e}")
+            else:
+                if head != record.base_commit:
+                    problems.append(
+                        f"workspace HEAD {head[:12]} is not base_commit {record.base_commit[:12]}"
+                    )
+                if not clean:
+                    problems.append("workspace has changes not in its commit")
+
+        broken = copy_tree(workspace, scratch / "broken")
+        env = absolute_env(test_env, broken)
+        run = run_pytest(sandbox, broken, [], timeout=timeout, extra_args=pytest_args, env=env)
+        result.log.add(run)
+        outcomes = canonical_outcomes(
+            run, {junit_address(t): t for t in [*record.FAIL_TO_PASS, *record.PASS_TO_PASS]}
+        )
+        passing_f2p = [t for t in record.FAIL_TO_PASS if outcomes.get(t) == "passed"]
+        if passing_f2p:
+            problems.append(
+                f"{len(passing_f2p)} FAIL_TO_PASS tests pass on the workspace, e.g. {passing_f2p[0]}"
+            )
+        failing_p2p = sorted(_failing(outcomes, record.PASS_TO_PASS))
+        if failing_p2p:
+            problems.append(
+                f"{len(failing_p2p)} PASS_TO_PASS tests fail on the workspace, e.g. {failing_p2p[0]}"
+            )
+
+        gold = copy_tree(workspace, scratch / "gold")
+        try:
+            apply_patch(gold, record.patch)
+        except ValueError as e:
+            problems.append(str(e))
+            return result
+        ids = [*record.FAIL_TO_PASS, *record.PASS_TO_PASS]
+        gold_run = run_pytest(
+            sandbox,
+            gold,
+            ids,
+            timeout=timeout,
+            extra_args=pytest_args,
+            env=absolute_env(test_env, gold),
+        )
+        result.log.add(gold_run)
+        not_passing = [t for t in ids if gold_run.outcome(t) != "passed"]
+        if not_passing:
+            problems.append(
+                f"{len(not_passing)} tests fail with the gold patch, e.g. {not_passing[0]}"
+            )
+
+        definitions: dict[str, list[str]] = {}
+        files: list[str] = []
+        for symbol in record.etude.symbols:
+            where = locate_symbol(gold, symbol)
+            if where is None:
+                problems.append(f"symbol {symbol} not found in the gold tree")
+                continue
+            path, qualname = where
+            if not qualname:
+                files.append(path)
+            elif path not in files:
+                definitions.setdefault(path, []).append(qualname)
+        for kind in STUB_KINDS:
+            tree = copy_tree(gold, scratch / f"stub-{kind}")
+            sources = {p: read_source(gold / p) for p in {*definitions, *files}}
+            texts = stub_tree_files(sources, list(definitions.items()), files, kind)
+            for path, text in texts.items():
+                write_source(tree / path, text)
+            stub_run = run_pytest(
+                sandbox,
+                tree,
+                record.FAIL_TO_PASS,
+                timeout=timeout,
+                extra_args=pytest_args,
+                env=absolute_env(test_env, tree),
+            )
+            result.log.add(stub_run)
+            passed = [t for t in record.FAIL_TO_PASS if stub_run.outcome(t) == "passed"]
+            if passed:
+                problems.append(
+                    f"{len(passed)} FAIL_TO_PASS tests pass with a '{kind}' stub, e.g. {passed[0]}"
+                )
+
+        material = record_leak_material(
+            record, workspace, gold=gold, min_line_chars=min_line_chars, ngram=ngram
+        )
+        scan = leak_scan(workspace, material)
+        result.leak_scan = scan
+        if not scan["clean"]:
+            first = scan["hits"][0]
+            problems.append(
+                f"leak scan: {scan['num_hits']} hits, e.g. {first['kind']} in {first['path']}: {first['match']!r}"
+            )
+    result.ok = not problems
+    return result
