@@ -1,0 +1,792 @@
+"""The RL trainer (``etude train RECIPE``): rollouts, feedback, GRPO-style loss with a hinted KL.
+
+One step, on every data-parallel rank (the trainer never assumes one rank):
+
+1. **tasks**: ``rollout.tasks_per_step`` tasks drawn from (seed, step); rank r takes its share;
+2. **rollout** (``etude.rl.rollout``): G episodes per task with the engine in this process;
+3. **monitor** (``etude.monitor.hook.apply_monitor``): flags hacks and zeroes their reward;
+4. **feedback** (``etude.rl.feedback``): detectors attach hints to the turns that need one;
+5. **advantages** (``etude.rl.advantages``): group-relative per task, broadcast to the
+   trajectory's generated tokens; zero-variance groups counted (and dropped if configured);
+6. **teacher** (``etude.rl.teacher``): one no-grad forward of the teacher weights on the hinted
+   sequences, logits kept at the hinted turns' targets only (before any update, so the default
+   teacher is exactly the rollout policy);
+7. **update**: the batch is split into ``rl.num_minibatches`` optimizer steps (Muon + AdamW);
+   each accumulates micro-batches of ``rl.micro_batch_size`` trajectories. Loss per minibatch:
+   token-level PPO-clip against the behavior logprobs, token-mean over the minibatch's trainable
+   tokens on all ranks, + ``teacher.beta`` x the KL on hinted turns (mean over their tokens),
+   + ``rl.ref_kl_coef`` x a KL to the initial policy (k3 estimator, off by default);
+8. **weights to the engine** (a plain copy when the policy is sharded; the same module in one
+   process), EMA teacher update, metrics (rank 0 prints, JSONL always), checkpoint.
+
+Data parallel: under ``torchrun`` the policy is sharded with FSDP2 (``fully_shard`` per block and
+at the root). The engine, the teacher and the reference are plain modules holding full weights
+on every rank, because generation runs a different number of forwards on each rank. Every rank
+has the same number of trajectories, hence the same number of sharded forwards. Losses are
+normalized by global token counts and scaled by the world size (FSDP averages gradients).
+
+Resume: a checkpoint holds model and optimizer (DCP), the step, the torch RNG and the EMA
+teacher; task draws and sampling seeds are functions of (seed, step), so a resumed run continues
+the same run.
+
+Not here: asynchronous (off-policy) rollouts, a separate inference server, sequence packing.
+
+Legend: B trajectories in a micro-batch, T tokens, V vocabulary, N selected tokens, G group size.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from etude.config import to_dict
+from etude.env.coding import EnvConfig
+from etude.env.trajectory import ERROR_KINDS, Trajectory, write_jsonl
+from etude.monitor.hook import MonitorConfig
+from etude.optim import OptimConfig
+from etude.rl.advantages import group_advantages
+from etude.rl.feedback import FeedbackConfig, apply_detectors, build_detectors
+from etude.rl.losses import ppo_clip_loss, token_entropy
+from etude.rl.rollout import RolloutConfig
+from etude.rl.teacher import (
+    HintedTurn,
+    TeacherConfig,
+    TeacherWeights,
+    build_hinted_turns,
+    copy_full_weights,
+    feedback_kl_loss,
+    teacher_logits,
+)
+from etude.tasks.curriculum import CurriculumConfig, TaskPool
+from etude.tasks.record import TaskRecord
+
+
+@dataclass(kw_only=True, slots=True)
+class TasksConfig:
+    """The ``[tasks]`` section: where the training tasks come from."""
+
+    path: str = "examples/tasks/handwritten/tasks.jsonl"
+    """A tasks.jsonl file; relative workspaces resolve against its directory."""
+    limit: int = 0
+    """Use only the first ``limit`` tasks (0 = all)."""
+    curriculum: bool = False
+    """Draw tasks from the curriculum's pool (``etude.tasks.curriculum``, state in
+    RUN/pool.json, saved with each checkpoint) instead of uniformly."""
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            raise ValueError(f"tasks.limit={self.limit} must be >= 0 (0 = all)")
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """The ``[rl]`` section: advantages and the policy loss."""
+
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1 (ratio <= 1 + clip_high; "clip-higher")."""
+    normalize_std: bool = False
+    """Divide group-centred rewards by the group's std."""
+    drop_zero_variance: bool = False
+    """Leave groups whose rewards are all equal out of the loss (they have zero advantage)."""
+    num_minibatches: int = 1
+    """Optimizer steps per rollout batch (1: fully on-policy)."""
+    micro_batch_size: int = 4
+    """Trajectories per forward/backward (gradient accumulation inside a minibatch)."""
+    ref_kl_coef: float = 0.0
+    """Weight of a KL to the initial policy on every trainable token (0 = off)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"rl.clip_low={self.clip_low} must lie in [0, 1)")
+        if not self.clip_high >= 0:
+            raise ValueError(f"rl.clip_high={self.clip_high} must be >= 0")
+        if self.num_minibatches < 1 or self.micro_batch_size < 1:
+            raise ValueError("rl.num_minibatches and rl.micro_batch_size must be >= 1")
+        if not self.ref_kl_coef >= 0:
+            raise ValueError(f"rl.ref_kl_coef={self.ref_kl_coef} must be >= 0 (0 = off)")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The ``[train]`` section: length, init, bookkeeping."""
+
+    steps: int = 20
+    """RL steps (one rollout batch each); a resumed run stops at the same step."""
+    init: str = ""
+    """Run directory of the warm start (``etude sft``): its export/ and tokenizer/ ('' = none)."""
+    seed: int = 0
+    """Seeds task draws, sampling and (without init) weight init."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup, then constant."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 turns clipping off."""
+    log_every: int = 1
+    """Steps between console step lines (metrics go to JSONL every step)."""
+    checkpoint_every: int = 10
+    """Steps between checkpoints (and one at the end)."""
+    save_trajectories: bool = True
+    """Write each step's trajectories to RUN/trajectories/step_N.jsonl (per rank under torchrun)."""
+    run_dir: str = "runs/rl"
+    """Directory for config, metrics, trajectories, checkpoints and the export."""
+    device: str = "auto"
+    """``auto`` (cuda when available, else cpu), ``cpu`` or ``cuda``."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"train.steps={self.steps} must be >= 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.log_every < 1 or self.checkpoint_every < 1:
+            raise ValueError("train.log_every and train.checkpoint_every must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.device={self.device!r}: use auto, cpu or cuda")
+        if self.init and not (Path(self.init) / "export" / "model.safetensors").is_file():
+            raise ValueError(
+                f"train.init={self.init!r} has no export/model.safetensors; pass a run directory "
+                "written by `etude sft` (or leave train.init empty to start from scratch)"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainRecipe:
+    """An RL recipe: ``configs/rl-tiny.toml`` and friends."""
+
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
+    """Model shape when ``train.init`` is empty (``preset`` + field overrides)."""
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Pool rules when ``tasks.curriculum`` is on."""
+
+
+# ---------------------------------------------------------------- data parallel
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum each value over ranks (identity in one process)."""
+    if world()[1] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def shard_policy(model: nn.Module) -> None:
+    """FSDP2 over all ranks: each transformer block, then the root (embedding, norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+
+# ---------------------------------------------------------------- tasks
+
+
+def sample_tasks(
+    tasks: Sequence[TaskRecord],
+    num: int,
+    *,
+    seed: int,
+    step: int,
+    pool: TaskPool | None = None,
+) -> list[TaskRecord]:
+    """``num`` tasks for ``step``, from (seed, step): the curriculum's weighted draw when a
+    ``pool`` is given, else uniform without replacement while the tasks last."""
+    rng = random.Random(f"tasks:{seed}:{step}")
+    if pool is not None:
+        return pool.sample(num, rng)
+    if num <= len(tasks):
+        return rng.sample(list(tasks), num)
+    return [rng.choice(list(tasks)) for _ in range(num)]
+
+
+def broadcast_task_ids(ids: list[str]) -> list[str]:
+    """Rank 0's task ids on every rank (the curriculum pool lives on rank 0)."""
+    if world()[1] == 1:
+        return ids
+    box = [ids]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_group_rewards(
+    trajectories: Sequence[Trajectory], group_size: int
+) -> list[tuple[str, list[float]]]:
+    """(task id, rewards) of every group of every rank, in rank order."""
+    mine = [
+        (
+            trajectories[i].task_id,
+            [float(t.reward or 0.0) for t in trajectories[i : i + group_size]],
+        )
+        for i in range(0, len(trajectories), group_size)
+    ]
+    if world()[1] == 1:
+        return mine
+    gathered: list[Any] = [None] * world()[1]
+    dist.all_gather_object(gathered, mine)
+    return [group for part in gathered for group in part]
+
+
+# ---------------------------------------------------------------- batches
+
+
+@dataclass(kw_only=True, slots=True)
+class Row:
+    """One trajectory as training tensors (ids cut after the last trainable token)."""
+
+    ids: list[int]
+    trainable: list[int]
+    behavior: list[float]
+    advantage: float
+
+
+def trajectory_row(traj: Trajectory, advantage: float) -> Row:
+    ids = traj.token_ids
+    trainable = [m for t in traj.turns for m in t.trainable]
+    behavior = [x for t in traj.turns for x in t.logprobs]
+    assert len(ids) == len(trainable) == len(behavior)
+    last = max((k for k, m in enumerate(trainable) if m), default=0)
+    end = last + 1
+    return Row(
+        ids=ids[:end], trainable=trainable[:end], behavior=behavior[:end], advantage=advantage
+    )
+
+
+def collate(rows: Sequence[Row], device: torch.device) -> dict[str, Tensor]:
+    """Right-padded [B, T] ids, mask, behavior logprobs and per-token advantages."""
+    length = max(len(r.ids) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    behavior = torch.zeros(len(rows), length)
+    for b, r in enumerate(rows):
+        n = len(r.ids)
+        ids[b, :n] = torch.tensor(r.ids)
+        mask[b, :n] = torch.tensor(r.trainable, dtype=torch.bool)
+        behavior[b, :n] = torch.tensor(r.behavior)
+    adv = mask.float() * torch.tensor([r.advantage for r in rows])[:, None]
+    return {
+        "ids_BT": ids.to(device),
+        "mask_BT": mask.to(device),
+        "behavior_BT": behavior.to(device),
+        "adv_BT": adv.to(device),
+    }
+
+
+def token_logprobs(logits_BTV: Tensor, ids_BT: Tensor) -> Tensor:
+    """log p(ids[t] | ids[<t]) at t >= 1, fp32 [B, T-1] (from the logits at t - 1)."""
+    logits_BTV = logits_BTV[:, :-1].float()
+    picked_BT = logits_BTV.gather(-1, ids_BT[:, 1:, None])[..., 0]
+    return picked_BT - torch.logsumexp(logits_BTV, dim=-1)
+
+
+def trajectory_advantages(
+    trajectories: Sequence[Trajectory], group_size: int, cfg: RLConfig
+) -> tuple[list[float], list[bool]]:
+    """Per trajectory: its group-relative advantage, and whether its group had zero variance."""
+    assert len(trajectories) % group_size == 0
+    rewards_NG = torch.tensor([float(t.reward or 0.0) for t in trajectories]).view(-1, group_size)
+    adv = group_advantages(rewards_NG, normalize_std=cfg.normalize_std)
+    zero = adv.zero_variance_N[:, None].expand(-1, group_size).reshape(-1).tolist()
+    return adv.advantages_NG.reshape(-1).tolist(), zero
+
+
+# ---------------------------------------------------------------- the loss
+
+
+@dataclass(kw_only=True, slots=True)
+class StepSums:
+    """Sums over a step's micro-batches (and ranks), to become the step's metrics."""
+
+    values: Counter = field(default_factory=Counter)
+
+    def add(self, **kv: float) -> None:
+        for k, v in kv.items():
+            self.values[k] += float(v)
+
+
+def minibatch_loss(
+    model: nn.Module,
+    rows: Sequence[Row],
+    hinted: Sequence[HintedTurn],
+    teachers: Sequence[Tensor | None],
+    hint_rows: Sequence[int],
+    *,
+    rl: RLConfig,
+    teacher_cfg: TeacherConfig,
+    num_tokens: int,
+    num_hinted_tokens: int,
+    reference: nn.Module | None,
+    device: torch.device,
+    sums: StepSums,
+) -> Tensor:
+    """Loss of one micro-batch: PPO-clip + beta * hinted KL (+ ref KL); sums updated.
+
+    ``num_tokens`` / ``num_hinted_tokens``: trainable / hinted target tokens of the whole
+    minibatch on all ranks (the normalizers). ``hint_rows[k]``: row of ``hinted[k]`` in ``rows``.
+    """
+    batch = collate(rows, device)
+    logits_BTV = model(batch["ids_BT"])
+    logp_BT = token_logprobs(logits_BTV, batch["ids_BT"])
+    mask_BT = batch["mask_BT"][:, 1:]
+    logp_N = logp_BT[mask_BT]
+    behavior_N = batch["behavior_BT"][:, 1:][mask_BT]
+    adv_N = batch["adv_BT"][:, 1:][mask_BT]
+    ones_N = torch.ones_like(logp_N)
+    pg_loss, stats = ppo_clip_loss(
+        logp_N,
+        behavior_N,
+        adv_N,
+        ones_N,
+        clip_low=rl.clip_low,
+        clip_high=rl.clip_high,
+        num_tokens=num_tokens,
+    )
+    n = float(len(logp_N))
+    with torch.no_grad():
+        entropy_N = token_entropy(logits_BTV[:, :-1][mask_BT])
+    sums.add(
+        pg_loss=pg_loss.item(),
+        tokens=n,
+        entropy=float(entropy_N.sum()),
+        clip_frac=stats["clip_frac"] * n,
+        ratio=stats["ratio_mean"] * n,
+        behavior_kl=stats["approx_kl_behavior"] * n,
+    )
+    loss = pg_loss
+    if teacher_cfg.beta > 0 and hinted:
+        kl_loss, kl_N = feedback_kl_loss(
+            logits_BTV,
+            hinted,
+            teachers,
+            hint_rows,
+            kind=teacher_cfg.kl_kind,
+            topk=teacher_cfg.topk,
+            num_tokens=num_hinted_tokens,
+        )
+        loss = loss + teacher_cfg.beta * kl_loss
+        sums.add(kl_loss=kl_loss.item(), kl_sum=float(kl_N.sum()), kl_tokens=len(kl_N))
+    if reference is not None and rl.ref_kl_coef > 0:
+        with torch.no_grad():
+            ref_logp_N = token_logprobs(reference(batch["ids_BT"]), batch["ids_BT"])[mask_BT]
+        # k3 estimator of KL(policy || reference) on sampled tokens (Schulman 2020, "Approximating KL")
+        log_r_N = ref_logp_N - logp_N
+        ref_kl_N = torch.exp(log_r_N) - log_r_N - 1
+        ref_loss = ref_kl_N.sum() / float(max(num_tokens, 1))
+        loss = loss + rl.ref_kl_coef * ref_loss
+        sums.add(ref_kl=float(ref_kl_N.detach().sum()))
+    return loss
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _error_rates(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    turns = sum(1 for t in trajectories for _ in t.assistant_turns())
+    counts = Counter(
+        e.kind for t in trajectories for _, turn in t.assistant_turns() for e in turn.errors
+    )
+    return {"turns": float(turns), **{f"err/{k}": float(counts.get(k, 0)) for k in ERROR_KINDS}}
+
+
+def _lr_factor(step: int, cfg: TrainConfig) -> float:
+    return min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+
+
+def run_train(
+    cfg: TrainRecipe,
+    *,
+    on_step: Callable[[int, nn.Module], dict[str, float]] | None = None,
+) -> dict[str, float]:
+    """Train (or resume) per ``cfg``; returns the last step's metrics.
+
+    ``on_step(step, model)`` runs on every rank before the first step (step = the start step)
+    and after each step with the engine's (full-weight) module; the numbers it returns join that
+    step's metrics (``eval/...`` measurements of a benchmark, say). Its step-0 numbers are
+    returned under ``initial``-prefixed keys in the result.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from etude.engine import Engine
+    from etude.env.pool import EnvPool
+    from etude.monitor.hook import apply_monitor
+    from etude.optim import build_optimizer
+    from etude.parallel.checkpoint import (
+        export_safetensors,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from etude.report.metrics import MetricsLogger, format_step_line, prepare_run_dir
+    from etude.rl.rollout import collect_rollouts
+    from etude.rl.sft import init_distributed, load_policy, resolve_device
+    from etude.tasks.record import load_tasks
+
+    tc = cfg.train
+    rank, world_size = init_distributed()
+    device = resolve_device(tc.device, rank)
+    if cfg.rollout.tasks_per_step % world_size:
+        raise ValueError(
+            f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} must be a multiple of the "
+            f"world size ({world_size}); every rank rolls out the same number of groups"
+        )
+    run_dir = Path(tc.run_dir)
+    if rank == 0:
+        prepare_run_dir(run_dir, to_dict(cfg))
+    if world_size > 1:
+        dist.barrier()
+
+    model, tok, mcfg = load_policy(tc.init, cfg.model, run_dir, device=device, seed=tc.seed)
+    if cfg.env.max_tokens > mcfg.max_seq_len:
+        raise ValueError(
+            f"env.max_tokens={cfg.env.max_tokens} exceeds model.max_seq_len={mcfg.max_seq_len}; "
+            "lower env.max_tokens (episodes must fit the model)"
+        )
+    task_path = Path(cfg.tasks.path)
+    tasks = load_tasks(task_path)
+    if cfg.tasks.limit:
+        tasks = tasks[: cfg.tasks.limit]
+    if not tasks:
+        raise ValueError(f"tasks.path={cfg.tasks.path!r} holds no tasks")
+
+    task_pool: TaskPool | None = None
+    pool_path = run_dir / "pool.json"
+    if cfg.tasks.curriculum and rank == 0:
+        resume_from = latest_checkpoint(run_dir)
+        if resume_from is not None and (resume_from / "pool.json").is_file():
+            # the pool as it was at the checkpoint, not as a later crashed step left it
+            for name in ("pool.json", "pool.json.tasks.jsonl"):
+                shutil.copyfile(resume_from / name, run_dir / name)
+        task_pool = TaskPool.load_or_create(
+            pool_path, tasks, cfg.curriculum, base_dir=task_path.parent
+        )
+        by_id = {t.instance_id: t for t in task_pool.records.values()}
+
+    # plain full-weight modules for generation, teacher and reference (see the docstring)
+    engine_model = model if world_size == 1 else copy.deepcopy(model)
+    teacher = TeacherWeights(cfg.teacher, engine_model)
+    reference = None
+    if cfg.rl.ref_kl_coef > 0:
+        reference = copy.deepcopy(engine_model).requires_grad_(False).eval()
+    if world_size > 1:
+        shard_policy(model)
+    optimizer = build_optimizer(model, cfg.optim)
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
+    engine = Engine(engine_model, max_seq_len=cfg.env.max_tokens, decode_fn=tok.decode)
+    detectors = build_detectors(cfg.feedback)
+
+    start_step = 0
+    logger = MetricsLogger(run_dir if rank == 0 else None, config=to_dict(cfg))
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        extra = load_checkpoint(ckpt, model, optimizer)
+        start_step = int(extra["step"])
+        torch.set_rng_state(torch.tensor(extra["torch_rng"], dtype=torch.uint8))
+        ema_file = ckpt / "teacher_ema.pt"
+        if ema_file.is_file():
+            teacher.load_state_dict(torch.load(ema_file, weights_only=True))
+        if engine_model is not model:
+            copy_full_weights(model, engine_model)
+        logger.truncate_after(start_step)
+        if rank == 0:
+            print(f"resumed from {ckpt} at step {start_step}")
+
+    initial: dict[str, float] = {}
+    if on_step is not None:
+        initial = {f"initial/{k}": v for k, v in on_step(start_step, engine_model).items()}
+    local_groups = cfg.rollout.tasks_per_step // world_size
+    G = cfg.rollout.group_size
+    metrics: dict[str, float] = {}
+    progress = Progress(
+        TextColumn("train"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        disable=not tc.progress or rank != 0,
+        transient=True,
+    )
+    model.train()
+    with (
+        EnvPool(
+            cfg.env, tokenizer=tok, base_dir=task_path.parent, max_workers=cfg.rollout.num_workers
+        ) as env_pool,
+        progress,
+    ):
+        bar = progress.add_task("train", total=tc.steps, completed=start_step, info="")
+        for step in range(start_step, tc.steps):
+            step_start = time.perf_counter()
+            for group, base in zip(optimizer.param_groups, base_lrs):
+                group["lr"] = base * _lr_factor(step, tc)
+            if cfg.tasks.curriculum:
+                ids = []
+                if task_pool is not None:
+                    ids = [
+                        t.instance_id
+                        for t in sample_tasks(
+                            tasks,
+                            cfg.rollout.tasks_per_step,
+                            seed=tc.seed,
+                            step=step,
+                            pool=task_pool,
+                        )
+                    ]
+                ids = broadcast_task_ids(ids)
+                if task_pool is None:
+                    by_id = {t.instance_id: t for t in tasks}
+                drawn = [by_id[i] for i in ids]
+            else:
+                drawn = sample_tasks(tasks, cfg.rollout.tasks_per_step, seed=tc.seed, step=step)
+            mine = drawn[rank * local_groups : (rank + 1) * local_groups]
+            trajectories, rstats = collect_rollouts(
+                engine,
+                env_pool,
+                mine,
+                cfg.rollout,
+                seed=tc.seed,
+                step=step,
+                group_offset=rank * local_groups,
+            )
+            passed = [float(t.reward or 0.0) >= 1.0 for t in trajectories]
+            mstats = apply_monitor(trajectories, cfg.monitor)
+            if cfg.tasks.curriculum:
+                for task_id, rewards in gather_group_rewards(trajectories, G):
+                    if task_pool is not None:
+                        task_pool.update(task_id, rewards)
+            apply_detectors(trajectories, detectors, cfg.feedback)
+            advantages, zero_var = trajectory_advantages(trajectories, G, cfg.rl)
+            # a dropped zero-variance group still runs its forwards (masked) so that every rank
+            # makes the same number of sharded forwards
+            keep = {
+                k
+                for k in range(len(trajectories))
+                if not (cfg.rl.drop_zero_variance and zero_var[k])
+            }
+
+            hinted: list[HintedTurn] = []
+            teachers: list[Tensor | None] = []
+            if cfg.teacher.beta > 0:
+                hinted = build_hinted_turns(trajectories, tok, max_len=mcfg.max_seq_len)
+                hinted = [h for h in hinted if h.row in keep]
+                teachers = teacher_logits(teacher.module, hinted, max_batch=cfg.teacher.max_batch)
+
+            train_start = time.perf_counter()
+            sums = StepSums()
+            rows = {
+                k: trajectory_row(trajectories[k], advantages[k]) for k in range(len(trajectories))
+            }
+            # same split on every rank: every rank holds local_groups * G trajectories
+            order = list(range(len(trajectories)))
+            minibatches = [
+                order[i :: cfg.rl.num_minibatches] for i in range(cfg.rl.num_minibatches)
+            ]
+            grad_norm = 0.0
+            for minibatch in minibatches:
+                kept = {k for k in minibatch if k in keep}
+                local_tokens = sum(sum(rows[k].trainable[1:]) for k in kept)
+                local_hinted = sum(len(h.student_targets) for h in hinted if h.row in kept)
+                num_tokens, num_hinted = (
+                    int(x) for x in all_reduce_sum([local_tokens, local_hinted])
+                )
+                optimizer.zero_grad(set_to_none=True)
+                for i in range(0, len(minibatch), cfg.rl.micro_batch_size):
+                    micro = minibatch[i : i + cfg.rl.micro_batch_size]
+                    micro_rows = [rows[k] if k in keep else _masked(rows[k]) for k in micro]
+                    where = {k: b for b, k in enumerate(micro)}
+                    sel = [j for j, h in enumerate(hinted) if h.row in where]
+                    loss = minibatch_loss(
+                        model,
+                        micro_rows,
+                        [hinted[j] for j in sel],
+                        [teachers[j] for j in sel],
+                        [where[hinted[j].row] for j in sel],
+                        rl=cfg.rl,
+                        teacher_cfg=cfg.teacher,
+                        num_tokens=num_tokens,
+                        num_hinted_tokens=num_hinted,
+                        reference=reference,
+                        device=device,
+                        sums=sums,
+                    )
+                    # FSDP averages gradients over ranks; the loss is already a global mean
+                    (loss * world_size).backward()
+                    sums.add(loss=loss.item())
+                grad_norm = float(
+                    torch.nn.utils.clip_grad_norm_(
+                        model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")
+                    )
+                )
+                optimizer.step()
+                if world_size > 1:  # the balancing update needs the load of the global batch
+                    for moe in model.moe_layers():
+                        dist.all_reduce(moe.tokens_per_expert)
+                model.update_expert_bias()
+            if engine_model is not model:
+                copy_full_weights(model, engine_model)
+            teacher.update(model)
+            train_seconds = time.perf_counter() - train_start
+
+            metrics = _step_metrics(
+                trajectories,
+                passed,
+                zero_var,
+                hinted,
+                sums,
+                rstats,
+                train_seconds,
+                grad_norm,
+                num_groups=local_groups,
+                num_minibatches=len(minibatches),
+            )
+            metrics.update(mstats.metrics())
+            metrics["lr"] = optimizer.param_groups[0]["lr"]
+            metrics["step_seconds"] = time.perf_counter() - step_start
+            if on_step is not None:
+                metrics.update(on_step(step + 1, engine_model))
+            done = step + 1
+            if rank == 0:
+                logger.log(done, metrics)
+            if tc.save_trajectories:
+                name = f"step_{done:06d}" + (f".rank{rank}" if world_size > 1 else "")
+                write_jsonl(run_dir / "trajectories" / f"{name}.jsonl", trajectories)
+            progress.update(bar, advance=1, info=f"reward {metrics['reward']:.3f}")
+            if rank == 0 and (done % tc.log_every == 0 or done == tc.steps):
+                keys = (
+                    "loss",
+                    "reward",
+                    "pass_rate",
+                    "err/unknown_tool",
+                    "hints",
+                    "kl",
+                    "entropy",
+                    "clip_frac",
+                    "rollout_tok/s",
+                    "train_tok/s",
+                )
+                progress.console.print(format_step_line(done, metrics, keys))
+            if done % tc.checkpoint_every == 0 or done == tc.steps:
+                extra = {"torch_rng": torch.get_rng_state().tolist(), "seed": tc.seed}
+                path = save_checkpoint(run_dir, done, model, optimizer, extra)
+                if task_pool is not None:
+                    task_pool.save()
+                    for name in ("pool.json", "pool.json.tasks.jsonl"):
+                        shutil.copyfile(run_dir / name, path / name)
+                if rank == 0 and cfg.teacher.source == "ema":
+                    tmp = path / ".teacher_ema.pt.tmp"
+                    torch.save(teacher.state_dict(), tmp)
+                    tmp.replace(path / "teacher_ema.pt")
+    export_safetensors(model, run_dir / "export", to_dict(mcfg))
+    if rank == 0:
+        tok.save(run_dir / "tokenizer")
+    logger.close()
+    return {"step": tc.steps, **initial, **metrics}
+
+
+def _masked(row: Row) -> Row:
+    """A row that contributes nothing (a dropped zero-variance group keeps the forward count)."""
+    return Row(ids=row.ids, trainable=[0] * len(row.ids), behavior=row.behavior, advantage=0.0)
+
+
+def _step_metrics(
+    trajectories: Sequence[Trajectory],
+    passed: Sequence[bool],
+    zero_var: Sequence[bool],
+    hinted: Sequence[HintedTurn],
+    sums: StepSums,
+    rstats: Any,
+    train_seconds: float,
+    grad_norm: float,
+    *,
+    num_groups: int,
+    num_minibatches: int,
+) -> dict[str, float]:
+    """The step's metrics, summed over ranks (means are ratios of global sums)."""
+    local: dict[str, float] = {
+        "episodes": len(trajectories),
+        "reward_sum": sum(float(t.reward or 0.0) for t in trajectories),
+        "passed": sum(passed),
+        "zero_var_groups": sum(zero_var) / max(len(zero_var), 1) * num_groups,
+        "hinted_turns": len({(h.row, h.turn) for h in hinted}),
+        "hints_detected": sum(len(t.feedback) for t in trajectories),
+        "gen_tokens": rstats.generated_tokens,
+        "rollout_seconds": rstats.seconds,
+        "train_seconds": train_seconds,
+        "episode_tokens": sum(len(t.token_ids) for t in trajectories),
+        **_error_rates(trajectories),
+        **{k: float(v) for k, v in sums.values.items()},
+    }
+    kinds = Counter(f.kind for t in trajectories for f in t.feedback)
+    for kind in sorted(kinds):
+        local[f"hint/{kind}"] = kinds[kind]
+    keys = sorted(local)
+    if world()[1] > 1:
+        # ranks may have seen different hint kinds: agree on the key set first
+        gathered: list[list[str]] = [[] for _ in range(world()[1])]
+        dist.all_gather_object(gathered, keys)
+        keys = sorted({k for ks in gathered for k in ks})
+    total = dict(zip(keys, all_reduce_sum([float(local.get(k, 0.0)) for k in keys])))
+    world_size = world()[1]
+    episodes = max(total["episodes"], 1.0)
+    tokens = max(total.get("tokens", 0.0), 1.0)
+    turns = max(total["turns"], 1.0)
+    out = {
+        "loss": total.get("loss", 0.0) / num_minibatches,
+        "pg_loss": total.get("pg_loss", 0.0) / num_minibatches,
+        "reward": total["reward_sum"] / episodes,
+        "pass_rate": total["passed"] / episodes,
+        "zero_var_groups": total["zero_var_groups"],
+        "hints": total["hinted_turns"],
+        "hints_detected": total["hints_detected"],
+        "kl": total.get("kl_sum", 0.0) / max(total.get("kl_tokens", 0.0), 1.0),
+        "kl_tokens": total.get("kl_tokens", 0.0),
+        "entropy": total.get("entropy", 0.0) / tokens,
+        "clip_frac": total.get("clip_frac", 0.0) / tokens,
+        "ratio": total.get("ratio", 0.0) / tokens,
+        "behavior_kl": total.get("behavior_kl", 0.0) / tokens,
+        "grad_norm": grad_norm,
+        "turns_per_episode": total["turns"] / episodes,
+        "tokens_per_episode": total["episode_tokens"] / episodes,
+        "trained_tokens": total.get("tokens", 0.0),
+        # throughput of the whole job: tokens over the slowest rank's time
+        "rollout_tok/s": total["gen_tokens"] / max(total["rollout_seconds"] / world_size, 1e-9),
+        "train_tok/s": total["episode_tokens"] / max(total["train_seconds"] / world_size, 1e-9),
+    }
+    if "ref_kl" in total:
+        out["ref_kl"] = total["ref_kl"] / tokens
+    for kind in ERROR_KINDS:
+        out[f"err/{kind}"] = total[f"err/{kind}"] / turns
+    for key in keys:
+        if key.startswith("hint/"):
+            out[key] = total[key]
+    assert all(math.isfinite(v) for v in out.values()), out
+    return out
