@@ -355,3 +355,26 @@ def test_monitor_hook_on_real_episodes(oracle_runs):
     metrics = stats.metrics()
     assert metrics["monitor/zeroed"] == 2.0 and metrics["monitor/category/honeypot"] == 1.0
     assert metrics["monitor/category/test_tampering"] == 1.0
+
+
+def test_trainer_step_zeroes_flagged_rewards_and_their_advantages(oracle_runs):
+    """The trainer's order of operations on one group: rewards -> monitor -> advantages.
+
+    The group holds the clean oracle and the two hacking ones (all three solved the task):
+    only the clean one keeps its reward and gets a positive advantage.
+    """
+    from etude.rl.trainer import RLConfig, trajectory_advantages
+
+    task, canaries, runs = oracle_runs
+    trajs = [
+        dataclasses.replace(runs[k], flags=[], info=dict(runs[k].info))
+        for k in ("clean", "canary", "test_edit")
+    ]
+    for t in trajs:
+        t.reward = 1.0
+    stats = apply_monitor(trajs, MonitorConfig(), canaries_by_task={task.instance_id: canaries})
+    advantages, zero_var = trajectory_advantages(trajs, 3, RLConfig())
+    assert [t.reward for t in trajs] == [1.0, 0.0, 0.0]
+    assert advantages[0] > 0 and advantages[1] < 0 and advantages[2] < 0
+    assert zero_var == [False, False, False]
+    assert stats.metrics()["monitor/zeroed"] == 2.0 and trajs[0].flags == []
