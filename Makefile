@@ -37,6 +37,7 @@ test-all: system-deps $(STAMP)
 	$(BIN)/pytest
 
 bench: system-deps $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 format: $(STAMP)

@@ -25,9 +25,9 @@ on every rank, because generation runs a different number of forwards on each ra
 has the same number of trajectories, hence the same number of sharded forwards. Losses are
 normalized by global token counts and scaled by the world size (FSDP averages gradients).
 
-Resume: a checkpoint holds model and optimizer (DCP), the step, the torch RNG and the EMA
-teacher; task draws and sampling seeds are functions of (seed, step), so a resumed run continues
-the same run.
+Resume: a checkpoint holds model and optimizer (DCP), the step, the torch RNG, the EMA teacher
+and the curriculum pool (``tasks.curriculum``); task draws and sampling seeds are functions of
+(seed, step) and that state, so a resumed run continues the same run.
 
 Not here: asynchronous (off-policy) rollouts, a separate inference server, sequence packing.
 
