@@ -161,17 +161,15 @@ def evaluate_policy(rl: TrainRecipe, run: Path, group_size: int) -> dict[str, fl
 
     write_jsonl(run / "eval_trajectories.jsonl", trajectories)
     result = {
-        "eval/episodes": float(len(trajectories)),
-        "eval/tasks": float(len(tasks)),
-        "eval/pass_rate": sum(float(t.reward or 0.0) >= 1.0 for t in trajectories)
-        / len(trajectories),
-        "eval/reward": sum(float(t.reward or 0.0) for t in trajectories) / len(trajectories),
-        "eval/submitted": sum(t.finish_reason == "submit" for t in trajectories)
-        / len(trajectories),
-        "eval/turns_per_episode": len(turns) / len(trajectories),
-        "eval/unknown_tool_rate": errors.get("unknown_tool", 0) / max(len(turns), 1),
-        "eval/tool_error_rate": sum(errors.values()) / max(len(turns), 1),
-        "eval/monitor_zeroed": float(mstats.metrics().get("monitor/zeroed", 0.0)),
+        "episodes": float(len(trajectories)),
+        "tasks": float(len(tasks)),
+        "pass_rate": sum(float(t.reward or 0.0) >= 1.0 for t in trajectories) / len(trajectories),
+        "reward": sum(float(t.reward or 0.0) for t in trajectories) / len(trajectories),
+        "submitted": sum(t.finish_reason == "submit" for t in trajectories) / len(trajectories),
+        "turns_per_episode": len(turns) / len(trajectories),
+        "unknown_tool_rate": errors.get("unknown_tool", 0) / max(len(turns), 1),
+        "tool_error_rate": sum(errors.values()) / max(len(turns), 1),
+        "monitor_zeroed": float(mstats.metrics().get("monitor/zeroed", 0.0)),
     }
     return result
 
@@ -239,8 +237,8 @@ def run_demo(recipe: DemoRecipe) -> dict[str, float]:
         write_json_atomic(run / "eval.json", summary)
         _mark_done(run, "eval", {})
     console.print(
-        f"pass rate {summary['eval/pass_rate']:.3f} | unknown-tool rate {summary['eval/unknown_tool_rate']:.3f} "
-        f"| tool-error rate {summary['eval/tool_error_rate']:.3f} over {int(summary['eval/episodes'])} episodes"
+        f"pass rate {summary['pass_rate']:.3f} | unknown-tool rate {summary['unknown_tool_rate']:.3f} "
+        f"| tool-error rate {summary['tool_error_rate']:.3f} over {int(summary['episodes'])} episodes"
     )
 
     banner(5, "report", "self-contained HTML")
