@@ -3,6 +3,9 @@
 One step, on every data-parallel rank (the trainer never assumes one rank):
 
 1. **tasks**: ``rollout.tasks_per_step`` tasks drawn from (seed, step); rank r takes its share;
+   with the curriculum, rank 0 draws from its pool and broadcasts the records, and every
+   ``tasks.spawn_every`` steps the pool spawns validated variants of mastered and never-solved
+   tasks from ``tasks.repo`` (``etude.tasks.build.TaskFactory``, made on first need);
 2. **rollout** (``etude.rl.rollout``): G episodes per task with the engine in this process;
 3. **monitor** (``etude.monitor.hook.apply_monitor``): flags hacks and zeroes their reward;
 4. **feedback** (``etude.rl.feedback``): detectors attach hints to the turns that need one;
@@ -41,6 +44,7 @@ import math
 import random
 import shutil
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +73,7 @@ from etude.rl.teacher import (
     feedback_kl_loss,
     teacher_logits,
 )
+from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.curriculum import CurriculumConfig, TaskPool
 from etude.tasks.record import TaskRecord
 
@@ -84,10 +89,28 @@ class TasksConfig:
     curriculum: bool = False
     """Draw tasks from the curriculum's pool (``etude.tasks.curriculum``, state in
     RUN/pool.json, saved with each checkpoint) instead of uniformly."""
+    repo: str = ""
+    """Source repository the tasks were built from; when set with ``curriculum`` on, the pool
+    spawns harder variants of mastered tasks and easier variants of never-solved ones during the
+    run (``etude.tasks.build.TaskFactory`` validates each; workspaces in RUN/variants/);
+    '' = no spawning."""
+    spawn_every: int = 5
+    """Steps between spawn checks (with ``repo``)."""
+    build: TaskBuildConfig = field(default_factory=TaskBuildConfig)
+    """How variants are built and validated (``[tasks.build]``; ``variants_per_task`` caps the
+    variants of one task per spawn)."""
 
     def __post_init__(self) -> None:
         if self.limit < 0:
             raise ValueError(f"tasks.limit={self.limit} must be >= 0 (0 = all)")
+        if self.spawn_every < 1:
+            raise ValueError(f"tasks.spawn_every={self.spawn_every} must be >= 1 (steps)")
+        if self.repo and not self.curriculum:
+            warnings.warn(
+                f"tasks.repo={self.repo!r} is ignored without tasks.curriculum=true (variants "
+                "are spawned by the curriculum's pool)",
+                stacklevel=2,
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -231,13 +254,77 @@ def sample_tasks(
     return [rng.choice(list(tasks)) for _ in range(num)]
 
 
-def broadcast_task_ids(ids: list[str]) -> list[str]:
-    """Rank 0's task ids on every rank (the curriculum pool lives on rank 0)."""
+def broadcast_task_records(records: list[TaskRecord]) -> list[TaskRecord]:
+    """Rank 0's drawn records on every rank.
+
+    The curriculum pool lives on rank 0 and grows variants the other ranks never loaded, so the
+    records themselves travel, not ids. Their workspaces are absolute paths on rank 0: spawned
+    variants need a file system all ranks share (one node, or RUN/ on a shared mount).
+    """
     if world()[1] == 1:
-        return ids
-    box = [ids]
+        return records
+    box: list[Any] = [[r.to_json() for r in records]]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return [TaskRecord.from_json(line) for line in box[0]]
+
+
+class LazyTaskFactory:
+    """A ``TaskFactory`` made (export + baseline runs of the suite) on first use only: most spawn
+    checks find nothing to spawn, and a run that never masters or gives up on a task should not
+    pay for the baseline. Use as a context manager; closing an unused one is free."""
+
+    def __init__(self, repo: str | Path, out_dir: str | Path, cfg: TaskBuildConfig) -> None:
+        self.repo = repo
+        self.out_dir = out_dir
+        self.cfg = cfg
+        self.factory: TaskFactory | None = None
+
+    def get(self) -> TaskFactory:
+        if self.factory is None:
+            factory = TaskFactory(self.repo, self.out_dir, self.cfg)
+            factory.prepare()
+            self.factory = factory
+        return self.factory
+
+    def close(self) -> None:
+        if self.factory is not None:
+            self.factory.close()
+            self.factory = None
+
+    def __enter__(self) -> LazyTaskFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def spawn_pending(pool: TaskPool) -> bool:
+    """Whether ``pool.maybe_spawn`` would ask a builder for variants (the rules of
+    ``TaskPool.maybe_spawn``: mastered or unsolved, not yet asked, below ``max_generation``)."""
+    return any(
+        s.generation < pool.cfg.max_generation
+        and (
+            (s.status == "retired" and not s.spawned_harder)
+            or (s.status == "unsolved" and not s.spawned_easier)
+        )
+        for s in pool.stats_by_id.values()
+    )
+
+
+def spawn_variants(
+    task_pool: TaskPool,
+    factory_getter: Callable[[], TaskFactory],
+    step: int,
+    cfg: TasksConfig,
+) -> list[TaskRecord]:
+    """Variants added to the pool after ``step`` steps: every ``cfg.spawn_every`` steps, with
+    ``cfg.repo`` and ``cfg.curriculum`` set, when some task is due for variants. The factory is
+    asked for only then (``factory_getter`` may build it lazily)."""
+    if not (cfg.curriculum and cfg.repo) or step % cfg.spawn_every != 0:
+        return []
+    if not spawn_pending(task_pool):
+        return []
+    return task_pool.maybe_spawn(factory_getter())
 
 
 def gather_group_rewards(
@@ -481,6 +568,12 @@ def run_train(
 
     task_pool: TaskPool | None = None
     pool_path = run_dir / "pool.json"
+    spawning = cfg.tasks.curriculum and bool(cfg.tasks.repo)
+    if spawning and not Path(cfg.tasks.repo).is_dir():
+        raise ValueError(
+            f"tasks.repo={cfg.tasks.repo!r} is not a directory; pass the repository the tasks "
+            "were built from (relative to the working directory) or '' to spawn no variants"
+        )
     if cfg.tasks.curriculum and rank == 0:
         resume_from = latest_checkpoint(run_dir)
         if resume_from is not None and (resume_from / "pool.json").is_file():
@@ -490,7 +583,6 @@ def run_train(
         task_pool = TaskPool.load_or_create(
             pool_path, tasks, cfg.curriculum, base_dir=task_path.parent
         )
-        by_id = {t.instance_id: t for t in task_pool.records.values()}
 
     # plain full-weight modules for generation, teacher and reference (see the docstring)
     engine_model = model if world_size == 1 else copy.deepcopy(model)
@@ -542,6 +634,7 @@ def run_train(
             cfg.env, tokenizer=tok, base_dir=task_path.parent, max_workers=cfg.rollout.num_workers
         ) as env_pool,
         progress,
+        LazyTaskFactory(cfg.tasks.repo, run_dir / "variants", cfg.tasks.build) as variant_factory,
     ):
         bar = progress.add_task("train", total=tc.steps, completed=start_step, info="")
         for step in range(start_step, tc.steps):
@@ -549,22 +642,12 @@ def run_train(
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = base * _lr_factor(step, tc)
             if cfg.tasks.curriculum:
-                ids = []
+                drawn = []
                 if task_pool is not None:
-                    ids = [
-                        t.instance_id
-                        for t in sample_tasks(
-                            tasks,
-                            cfg.rollout.tasks_per_step,
-                            seed=tc.seed,
-                            step=step,
-                            pool=task_pool,
-                        )
-                    ]
-                ids = broadcast_task_ids(ids)
-                if task_pool is None:
-                    by_id = {t.instance_id: t for t in tasks}
-                drawn = [by_id[i] for i in ids]
+                    drawn = sample_tasks(
+                        tasks, cfg.rollout.tasks_per_step, seed=tc.seed, step=step, pool=task_pool
+                    )
+                drawn = broadcast_task_records(drawn)
             else:
                 drawn = sample_tasks(tasks, cfg.rollout.tasks_per_step, seed=tc.seed, step=step)
             mine = drawn[rank * local_groups : (rank + 1) * local_groups]
@@ -579,10 +662,18 @@ def run_train(
             )
             passed = [float(t.reward or 0.0) >= 1.0 for t in trajectories]
             mstats = apply_monitor(trajectories, cfg.monitor)
+            spawned: list[TaskRecord] = []
             if cfg.tasks.curriculum:
                 for task_id, rewards in gather_group_rewards(trajectories, G):
                     if task_pool is not None:
                         task_pool.update(task_id, rewards)
+                if task_pool is not None and spawning:
+                    spawned = spawn_variants(task_pool, variant_factory.get, step + 1, cfg.tasks)
+                    if spawned:
+                        progress.console.print(
+                            f"curriculum: {len(spawned)} variant(s) after step {step + 1}: "
+                            + ", ".join(r.instance_id for r in spawned)
+                        )
             apply_detectors(trajectories, detectors, cfg.feedback)
             advantages, zero_var = trajectory_advantages(trajectories, G, cfg.rl)
             # a dropped zero-variance group still runs its forwards (masked) so that every rank
@@ -670,6 +761,8 @@ def run_train(
             )
             metrics.update(mstats.metrics())
             metrics["lr"] = optimizer.param_groups[0]["lr"]
+            if task_pool is not None:
+                metrics.update(curriculum_metrics(task_pool, spawned if spawning else None))
             metrics["step_seconds"] = time.perf_counter() - step_start
             if on_step is not None:
                 metrics.update(on_step(step + 1, engine_model))
@@ -710,6 +803,15 @@ def run_train(
         tok.save(run_dir / "tokenizer")
     logger.close()
     return {"step": tc.steps, **initial, **metrics}
+
+
+def curriculum_metrics(pool: TaskPool, spawned: Sequence[TaskRecord] | None) -> dict[str, float]:
+    """The pool's ``stats()`` as ``curriculum/*`` metrics, plus ``curriculum/spawned`` (variants
+    added this step) when spawning is on (``spawned`` not None)."""
+    out = {f"curriculum/{k}": float(v) for k, v in pool.stats().items()}
+    if spawned is not None:
+        out["curriculum/spawned"] = float(len(spawned))
+    return out
 
 
 def _masked(row: Row) -> Row:
