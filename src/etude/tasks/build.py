@@ -19,7 +19,9 @@ task one broken-tree run of the whole suite and three small runs of the FAIL_TO_
 stubs, gold).
 
 ``TaskFactory`` keeps the mined repository alive after the build, so the curriculum can ask it
-for ``harder``/``easier`` variants of a task (validated like any task, ``etude.parent`` set).
+for ``harder``/``easier`` variants of a task (``etude.tasks.variants``: validated like any task,
+``etude.parent`` set). Its settings are ``build_config.TaskBuildConfig``; its report
+``build_report.BuildReport``.
 
 What this module does not do: run the agent on the tasks (``etude.env``), or install the
 package: tests import it from the workspace (``PYTHONPATH`` for a ``src/`` layout, recorded in
@@ -28,10 +30,8 @@ package: tests import it from the workspace (``PYTHONPATH`` for a ``src/`` layou
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import random
 import re
 import shutil
 import sys
@@ -40,13 +40,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from etude.sandbox import SandboxConfig, make_sandbox
-from etude.sandbox.base import Backend
-from etude.tasks.agent_deleter import AgentDeleterConfig, propose_with_agent
+from etude.tasks.agent_deleter import propose_with_agent
+from etude.tasks.build_config import TaskBuildConfig
+from etude.tasks.build_report import BuildReport, TaskOutcome, reason_category
 from etude.tasks.delete import (
     DeletionError,
     Removal,
@@ -59,14 +59,12 @@ from etude.tasks.delete import (
 from etude.tasks.mine import (
     Feature,
     Miner,
-    ProposalConfig,
-    combine,
     detect_layout,
     index_package,
     index_test_imports,
     run_baseline,
 )
-from etude.tasks.record import DETAIL_LEVELS, EtudeInfo, TaskRecord, archive_workspace, save_tasks
+from etude.tasks.record import EtudeInfo, TaskRecord, archive_workspace, save_tasks
 from etude.tasks.sanitize import (
     distinctive_material,
     export_tree,
@@ -78,169 +76,12 @@ from etude.tasks.sanitize import (
 )
 from etude.tasks.statement import DETAIL_RANK, problem_statement
 from etude.tasks.validate import copy_tree, validate_task
-
-
-@dataclass(kw_only=True, slots=True)
-class TaskBuildConfig:
-    """Settings of ``etude tasks build`` (TOML sections ``[tasks]``, ``[tasks.proposals]``...)."""
-
-    backend: Backend = "auto"
-    """Sandbox backend for every test run: ``auto`` (bubblewrap where it works), ``bwrap``, ``local``."""
-    test_timeout_s: float = 600.0
-    """Wall-clock limit of one pytest run (the whole suite) in seconds."""
-    baseline_runs: int = 2
-    """Runs of the unmodified suite (the last one under coverage); tests that differ are flaky."""
-    max_tasks: int = 0
-    """Stop after this many valid tasks (0: validate every proposal)."""
-    detail_level: str = "full"
-    """Problem statement detail of built tasks: ``full``, ``docstring`` or ``tests``."""
-    packages: tuple[str, ...] = ()
-    """Top-level import names of the package (empty: detected)."""
-    pytest_args: tuple[str, ...] = ()
-    """Extra pytest arguments for every run (e.g. ``-o addopts=`` to drop the repo's options)."""
-    workers: int = 2
-    """Tasks validated at once (each test run is one sandboxed process)."""
-    workspace_format: Literal["dir", "tar.gz"] = "dir"
-    """Write each workspace as a directory or as a reproducible ``.tar.gz``."""
-    gold_full_suite: bool = False
-    """Also run PASS_TO_PASS on the gold-patched tree (else it must equal the baseline tree)."""
-    leak_min_line_chars: int = 16
-    """Shortest normalized line of deleted code the leak scan looks for."""
-    leak_ngram: int = 3
-    """Length of the identifier n-grams the leak scan looks for."""
-    variants_per_task: int = 2
-    """Most variants ``harder``/``easier`` return for one task."""
-    seed: int = 0
-    """Seed for choosing partner features of harder variants."""
-    proposals: ProposalConfig = field(default_factory=ProposalConfig)
-    """Which features are proposed (size budget, methods, modules, include patterns)."""
-    agent: AgentDeleterConfig = field(default_factory=AgentDeleterConfig)
-    """Optional model that proposes deletions (off by default)."""
-
-    def __post_init__(self) -> None:
-        if self.test_timeout_s <= 0:
-            raise ValueError(f"tasks.test_timeout_s={self.test_timeout_s} must be > 0 seconds")
-        if self.baseline_runs < 2:
-            raise ValueError(
-                f"tasks.baseline_runs={self.baseline_runs}: at least 2 are needed to see flaky tests"
-            )
-        if self.max_tasks < 0:
-            raise ValueError(f"tasks.max_tasks={self.max_tasks} must be >= 0 (0: no limit)")
-        if self.detail_level not in DETAIL_LEVELS:
-            raise ValueError(
-                f"tasks.detail_level={self.detail_level!r} must be one of {list(DETAIL_LEVELS)}"
-            )
-        if self.workers < 1:
-            raise ValueError(f"tasks.workers={self.workers} must be >= 1")
-        if self.workspace_format not in ("dir", "tar.gz"):
-            raise ValueError(
-                f"tasks.workspace_format={self.workspace_format!r} must be 'dir' or 'tar.gz'"
-            )
-        if self.leak_min_line_chars < 4:
-            raise ValueError(
-                f"tasks.leak_min_line_chars={self.leak_min_line_chars} is too short to be "
-                "distinctive; use at least 4 (default 16)"
-            )
-        if self.leak_ngram < 2:
-            raise ValueError(f"tasks.leak_ngram={self.leak_ngram} must be >= 2 (default 3)")
-        if self.variants_per_task < 1:
-            raise ValueError(f"tasks.variants_per_task={self.variants_per_task} must be >= 1")
-
-
-@dataclass(kw_only=True, slots=True)
-class TaskOutcome:
-    """What became of one feature."""
-
-    feature: str
-    """Feature name."""
-    record: TaskRecord | None
-    """The task, or None when rejected."""
-    reason: str = ""
-    """Why it was rejected."""
-    seconds: float = 0.0
-    """Wall-clock seconds spent on it."""
-    test_seconds: float = 0.0
-    """Seconds of sandboxed runs (tests, import probe)."""
-    test_runs: int = 0
-
-
-@dataclass(kw_only=True, slots=True)
-class BuildReport:
-    """Summary of a build, written as ``build_report.json``."""
-
-    repo: str
-    packages: list[str]
-    num_tests: int
-    num_passing: int
-    flaky: list[str]
-    baseline_failing: int
-    candidates: int
-    valid: int
-    rejected: dict[str, str]
-    """Feature (or symbol) -> reason, for proposals and for symbols never proposed."""
-    reject_counts: dict[str, int]
-    """Rejection reason category -> count, for validated candidates."""
-    skip_counts: dict[str, int]
-    """Reason category -> count, for symbols and modules skipped before validation."""
-    seconds_total: float
-    seconds_baseline: float
-    seconds_tests: float
-    """Sandboxed test-run seconds (baseline and validation), summed over workers."""
-    seconds_per_task: float
-    """Mean wall-clock seconds per validated candidate (valid or not)."""
-    tasks: list[str] = field(default_factory=list)
-
-    @property
-    def yield_(self) -> float:
-        return self.valid / self.candidates if self.candidates else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["yield"] = round(self.yield_, 4)
-        return out
-
-
-def reason_category(reason: str) -> str:
-    """A short category for counting rejection reasons."""
-    for prefix, name in (
-        ("PASS_TO_PASS broken", "breaks other tests"),
-        ("no test fails", "no test fails"),
-        ("a trivial body", "stub passes"),
-        ("package no longer imports", "package does not import"),
-        ("leak scan", "leak"),
-        ("gold", "gold patch"),
-        ("used by", "used outside the feature"),
-        ("agent proposal: ", "agent proposal"),
-        ("needed at import time", "needed at import time"),
-        ("imported by", "imported elsewhere"),
-        ("needed to collect", "needed to collect other tests"),
-        ("no passing test", "no tests"),
-        ("exercised by", "too many tests"),
-        ("broken-tree run timed out", "timeout"),
-        ("deletion refused", "deletion refused"),
-        ("attribute ", "used outside the feature"),
-        ("dunder or nested", "dunder or nested method"),
-        ("its module does not import", "module does not import"),
-        ("does not import", "module does not import"),
-        ("package __init__", "package __init__"),
-    ):
-        if reason.startswith(prefix):
-            return name
-    if "lines, outside the budget" in reason:
-        return "size budget"
-    if "used by" in reason:
-        return "used outside the feature"
-    if "needed at import time" in reason:
-        return "needed at import time"
-    if "bound more than once" in reason:
-        return "defined more than once"
-    return "other"
-
+from etude.tasks.variants import VariantMaker, remove_workspace
 
 _ID_CHARS = re.compile(r"[^A-Za-z0-9._+@~-]")
 
 
-class TaskFactory:
+class TaskFactory(VariantMaker):
     """A mined repository that turns features into validated tasks (see the module docstring).
 
     Use as a context manager; ``prepare`` runs on entry (export, baseline, index).
@@ -602,7 +443,7 @@ class TaskFactory:
         records = [o.record for o in outcomes if o.record is not None]
         if self.cfg.max_tasks and len(records) > self.cfg.max_tasks:
             for extra in records[self.cfg.max_tasks :]:
-                _remove_workspace(self.out_dir, extra)
+                remove_workspace(self.out_dir, extra)
             records = records[: self.cfg.max_tasks]
         save_tasks(self.out_dir / "tasks.jsonl", records)
         rejected = dict(self.proposals_rejected)
@@ -641,159 +482,6 @@ class TaskFactory:
             json.dumps(report.to_dict(), indent=1) + "\n"
         )
         return records, report
-
-    # -- variants for the curriculum ---------------------------------------------------------
-
-    def feature_for(self, record: TaskRecord) -> Feature | None:
-        """The feature a record deleted: remembered from this session, or rebuilt from its symbols."""
-        if record.instance_id in self._features:
-            return self._features[record.instance_id]
-        if record.etude is None or record.repo != self.layout.name:
-            return None
-        modules = self.layout.modules
-        files = [p for p in record.etude.deleted_files if p.endswith(".py")]
-        module_of_path = {p: m for m, p in modules.items()}
-        parts: list[Feature] = []
-        by_module: dict[str, list[str]] = {}
-        for symbol in record.etude.symbols:
-            if symbol in modules and modules[symbol] in files:
-                found = self.miner.module_feature(symbol, _relaxed(self.cfg.proposals))
-                if isinstance(found, Feature):
-                    parts.append(found)
-                continue
-            module = max((m for m in modules if symbol.startswith(m + ".")), key=len, default=None)
-            if module is None or modules[module] in files:
-                continue
-            by_module.setdefault(module, []).append(symbol[len(module) + 1 :])
-        for module, quals in by_module.items():
-            found = self.miner.custom_feature(module, quals, _relaxed(self.cfg.proposals))
-            if isinstance(found, str):
-                return None
-            parts.append(
-                dataclasses.replace(
-                    found, kind=str(record.etude.extra.get("feature_kind", "function"))
-                )
-            )
-        if not parts or any(module_of_path.get(p) is None for p in files):
-            return None
-        return parts[0] if len(parts) == 1 else combine(parts)
-
-    def _variant_records(
-        self, record: TaskRecord, attempts: list[tuple[Feature, str]]
-    ) -> list[TaskRecord]:
-        unique: dict[tuple[tuple[str, ...], str], tuple[Feature, str]] = {}
-        for feature, detail in attempts:
-            unique.setdefault((feature.symbols, detail), (feature, detail))
-        features = [f for f, _ in unique.values()]
-        options = [{"detail": d} for _, d in unique.values()]
-        outcomes = self.run_features(
-            features,
-            limit=self.cfg.variants_per_task,
-            options=options,
-            parent=record.instance_id,
-            relative=False,
-        )
-        records = [o.record for o in outcomes if o.record is not None]
-        for extra in records[self.cfg.variants_per_task :]:
-            _remove_workspace(self.out_dir, extra)
-        return records[: self.cfg.variants_per_task]
-
-    def harder(self, record: TaskRecord) -> list[TaskRecord]:
-        """Validated harder variants of ``record``: less detail, a partner feature deleted too,
-        the whole module. [] for a record of another repository."""
-        feature = self.feature_for(record)
-        if feature is None or record.etude is None:
-            return []
-        detail = record.etude.detail_level
-        attempts: list[tuple[Feature, str]] = []
-        rank = DETAIL_RANK[detail]
-        if rank < 2:
-            attempts.append((feature, _detail_at(rank + 1)))
-        used = {p for p, _ in feature.definitions} | set(feature.files)
-        partners = [
-            f
-            for f in self.proposed()
-            if f.kind != "module" and not ({p for p, _ in f.definitions} | set(f.files)) & used
-        ]
-        random.Random(f"{self.cfg.seed}:{record.instance_id}").shuffle(partners)
-        for partner in partners[:3]:
-            attempts.append((combine([feature, partner]), detail))
-        if feature.kind not in ("module", "multi"):
-            path = feature.definitions[0][0]
-            module = {p: m for m, p in self.layout.modules.items()}[path]
-            found = self.miner.module_feature(module, _relaxed(self.cfg.proposals))
-            if isinstance(found, Feature):
-                attempts.append((found, detail))
-        return self._variant_records(record, attempts)
-
-    def easier(self, record: TaskRecord) -> list[TaskRecord]:
-        """Validated easier variants of ``record``: more detail, a smaller part of the feature.
-        [] for a record of another repository."""
-        feature = self.feature_for(record)
-        if feature is None or record.etude is None:
-            return []
-        detail = record.etude.detail_level
-        attempts: list[tuple[Feature, str]] = []
-        rank = DETAIL_RANK[detail]
-        if rank > 0:
-            attempts.append((feature, _detail_at(rank - 1)))
-        for smaller in sorted(self._smaller(feature), key=lambda f: f.deleted_lines):
-            attempts.append((smaller, detail))
-        return self._variant_records(record, attempts)
-
-    def _smaller(self, feature: Feature) -> list[Feature]:
-        cfg = _relaxed(self.cfg.proposals)
-        proposed = self.proposed()
-        by_name = {f.name: f for f in proposed}
-        if feature.kind == "multi":
-            return [by_name[n] for n in feature.parts if n in by_name]
-        out: list[Feature] = []
-        if feature.kind == "module":
-            module = {p: m for m, p in self.layout.modules.items()}[feature.files[0]]
-            for f in proposed:
-                if f.kind != "module" and f.symbols[0].startswith(module + "."):
-                    out.append(f)
-            return out
-        path, quals = feature.definitions[0]
-        module = {p: m for m, p in self.layout.modules.items()}[path]
-        mod = self.miner.index[module]
-        head = quals[0]
-        if feature.kind == "class":
-            for q, unit in mod.units.items():
-                if (
-                    q.startswith(head + ".")
-                    and unit.kind == "method"
-                    and not unit.name.startswith("_")
-                ):
-                    found = self.miner.symbol_feature(module, q, cfg)
-                    if isinstance(found, Feature):
-                        out.append(found)
-        for helper in quals[1:]:
-            found = self.miner.helper_feature(module, helper, cfg)
-            if isinstance(found, Feature):
-                out.append(found)
-        return out
-
-
-def _relaxed(cfg: ProposalConfig) -> ProposalConfig:
-    """Proposal limits for variants: any size up to the module budget, any test share."""
-    return dataclasses.replace(
-        cfg, max_lines=max(cfg.max_lines, cfg.max_module_lines), max_test_fraction=1.0, include=()
-    )
-
-
-def _detail_at(rank: int) -> str:
-    return next(level for level, r in DETAIL_RANK.items() if r == rank)
-
-
-def _remove_workspace(out_dir: Path, record: TaskRecord) -> None:
-    assert record.etude is not None
-    path = Path(record.etude.workspace)
-    path = path if path.is_absolute() else out_dir / path
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def build_tasks(

@@ -1,0 +1,84 @@
+"""Settings of the task factory (``etude tasks build``; TOML sections ``[tasks]``...).
+
+``TaskBuildConfig`` holds every setting of a build, each validated in ``__post_init__`` with a
+``ValueError`` that names the setting and the fix.
+
+What this module does not do: run anything; the factory (``etude.tasks.build``) reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from etude.sandbox.base import Backend
+from etude.tasks.agent_deleter import AgentDeleterConfig
+from etude.tasks.mine import ProposalConfig
+from etude.tasks.record import DETAIL_LEVELS
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskBuildConfig:
+    """Settings of ``etude tasks build`` (TOML sections ``[tasks]``, ``[tasks.proposals]``...)."""
+
+    backend: Backend = "auto"
+    """Sandbox backend for every test run: ``auto`` (bubblewrap where it works), ``bwrap``, ``local``."""
+    test_timeout_s: float = 600.0
+    """Wall-clock limit of one pytest run (the whole suite) in seconds."""
+    baseline_runs: int = 2
+    """Runs of the unmodified suite (the last one under coverage); tests that differ are flaky."""
+    max_tasks: int = 0
+    """Stop after this many valid tasks (0: validate every proposal)."""
+    detail_level: str = "full"
+    """Problem statement detail of built tasks: ``full``, ``docstring`` or ``tests``."""
+    packages: tuple[str, ...] = ()
+    """Top-level import names of the package (empty: detected)."""
+    pytest_args: tuple[str, ...] = ()
+    """Extra pytest arguments for every run (e.g. ``-o addopts=`` to drop the repo's options)."""
+    workers: int = 2
+    """Tasks validated at once (each test run is one sandboxed process)."""
+    workspace_format: Literal["dir", "tar.gz"] = "dir"
+    """Write each workspace as a directory or as a reproducible ``.tar.gz``."""
+    gold_full_suite: bool = False
+    """Also run PASS_TO_PASS on the gold-patched tree (else it must equal the baseline tree)."""
+    leak_min_line_chars: int = 16
+    """Shortest normalized line of deleted code the leak scan looks for."""
+    leak_ngram: int = 3
+    """Length of the identifier n-grams the leak scan looks for."""
+    variants_per_task: int = 2
+    """Most variants ``harder``/``easier`` return for one task."""
+    seed: int = 0
+    """Seed for choosing partner features of harder variants."""
+    proposals: ProposalConfig = field(default_factory=ProposalConfig)
+    """Which features are proposed (size budget, methods, modules, include patterns)."""
+    agent: AgentDeleterConfig = field(default_factory=AgentDeleterConfig)
+    """Optional model that proposes deletions (off by default)."""
+
+    def __post_init__(self) -> None:
+        if self.test_timeout_s <= 0:
+            raise ValueError(f"tasks.test_timeout_s={self.test_timeout_s} must be > 0 seconds")
+        if self.baseline_runs < 2:
+            raise ValueError(
+                f"tasks.baseline_runs={self.baseline_runs}: at least 2 are needed to see flaky tests"
+            )
+        if self.max_tasks < 0:
+            raise ValueError(f"tasks.max_tasks={self.max_tasks} must be >= 0 (0: no limit)")
+        if self.detail_level not in DETAIL_LEVELS:
+            raise ValueError(
+                f"tasks.detail_level={self.detail_level!r} must be one of {list(DETAIL_LEVELS)}"
+            )
+        if self.workers < 1:
+            raise ValueError(f"tasks.workers={self.workers} must be >= 1")
+        if self.workspace_format not in ("dir", "tar.gz"):
+            raise ValueError(
+                f"tasks.workspace_format={self.workspace_format!r} must be 'dir' or 'tar.gz'"
+            )
+        if self.leak_min_line_chars < 4:
+            raise ValueError(
+                f"tasks.leak_min_line_chars={self.leak_min_line_chars} is too short to be "
+                "distinctive; use at least 4 (default 16)"
+            )
+        if self.leak_ngram < 2:
+            raise ValueError(f"tasks.leak_ngram={self.leak_ngram} must be >= 2 (default 3)")
+        if self.variants_per_task < 1:
+            raise ValueError(f"tasks.variants_per_task={self.variants_per_task} must be >= 1")

@@ -1,0 +1,106 @@
+"""What a build reports: the outcome of each candidate and the build's summary.
+
+``TaskOutcome`` is what became of one feature (a record, or the one-line reason it was
+rejected); ``BuildReport`` is ``build_report.json`` (candidates, yield, rejections by reason,
+timings); ``reason_category`` maps a reason to the short category the counts use.
+
+What this module does not do: decide anything; it only records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from etude.tasks.record import TaskRecord
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskOutcome:
+    """What became of one feature."""
+
+    feature: str
+    """Feature name."""
+    record: TaskRecord | None
+    """The task, or None when rejected."""
+    reason: str = ""
+    """Why it was rejected."""
+    seconds: float = 0.0
+    """Wall-clock seconds spent on it."""
+    test_seconds: float = 0.0
+    """Seconds of sandboxed runs (tests, import probe)."""
+    test_runs: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class BuildReport:
+    """Summary of a build, written as ``build_report.json``."""
+
+    repo: str
+    packages: list[str]
+    num_tests: int
+    num_passing: int
+    flaky: list[str]
+    baseline_failing: int
+    candidates: int
+    valid: int
+    rejected: dict[str, str]
+    """Feature (or symbol) -> reason, for proposals and for symbols never proposed."""
+    reject_counts: dict[str, int]
+    """Rejection reason category -> count, for validated candidates."""
+    skip_counts: dict[str, int]
+    """Reason category -> count, for symbols and modules skipped before validation."""
+    seconds_total: float
+    seconds_baseline: float
+    seconds_tests: float
+    """Sandboxed test-run seconds (baseline and validation), summed over workers."""
+    seconds_per_task: float
+    """Mean wall-clock seconds per validated candidate (valid or not)."""
+    tasks: list[str] = field(default_factory=list)
+
+    @property
+    def yield_(self) -> float:
+        return self.valid / self.candidates if self.candidates else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["yield"] = round(self.yield_, 4)
+        return out
+
+
+def reason_category(reason: str) -> str:
+    """A short category for counting rejection reasons."""
+    for prefix, name in (
+        ("PASS_TO_PASS broken", "breaks other tests"),
+        ("no test fails", "no test fails"),
+        ("a trivial body", "stub passes"),
+        ("package no longer imports", "package does not import"),
+        ("leak scan", "leak"),
+        ("gold", "gold patch"),
+        ("used by", "used outside the feature"),
+        ("agent proposal: ", "agent proposal"),
+        ("needed at import time", "needed at import time"),
+        ("imported by", "imported elsewhere"),
+        ("needed to collect", "needed to collect other tests"),
+        ("no passing test", "no tests"),
+        ("exercised by", "too many tests"),
+        ("broken-tree run timed out", "timeout"),
+        ("deletion refused", "deletion refused"),
+        ("attribute ", "used outside the feature"),
+        ("dunder or nested", "dunder or nested method"),
+        ("its module does not import", "module does not import"),
+        ("does not import", "module does not import"),
+        ("package __init__", "package __init__"),
+    ):
+        if reason.startswith(prefix):
+            return name
+    if "lines, outside the budget" in reason:
+        return "size budget"
+    if "used by" in reason:
+        return "used outside the feature"
+    if "needed at import time" in reason:
+        return "needed at import time"
+    if "bound more than once" in reason:
+        return "defined more than once"
+    return "other"
