@@ -95,6 +95,9 @@ class Generation:
     """"stop": a stop token or stop string ended it; "length": the token budget did."""
     stop: int | str | None = None
     """The stop token id or stop string that ended the sequence (None for "length")."""
+    policy_version: int = 0
+    """Version of the weights that sampled the first token (a reload mid-request is applied
+    between decode steps, so later tokens may come from a newer version)."""
 
 
 def token_logprobs(logits_BV: Tensor, tokens_B: Tensor, temperature: float) -> Tensor:

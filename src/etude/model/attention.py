@@ -24,6 +24,8 @@ K head width, R = K/2 rotary frequencies, L layers.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -73,7 +75,9 @@ class KVCache:
     Slot = position (see the module docstring). ``advance`` is called once per forward by the
     model: it checks capacity, records how many slots the forward may see and returns the mask.
     ``num_filled`` is one past the highest slot written so far: a forward without explicit
-    positions continues every sequence from there (a uniform batch).
+    positions continues every sequence from there (a uniform batch). The engine's continuous
+    batching uses three row operations: ``row_range`` (a view over some rows), ``copy_row`` and
+    ``keep_rows``; another cache layout (a latent cache) provides the same three.
     """
 
     def __init__(
@@ -111,6 +115,20 @@ class KVCache:
         """Keep only batch rows ``rows_B`` (in that order), e.g. to drop finished sequences."""
         self.k = self.k[:, rows_B]
         self.v = self.v[:, rows_B]
+
+    def row_range(self, start: int, stop: int) -> KVCache:
+        """A cache over rows [start, stop) that shares this cache's storage: a forward through
+        it writes these rows in place (continuous batching runs a subset of the slots)."""
+        assert 0 <= start < stop <= self.batch_size, (start, stop, self.batch_size)
+        view = copy.copy(self)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.num_filled = view.num_slots = 0
+        return view
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copy every layer's keys and values of row ``src`` into row ``dst``."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
     def advance(self, positions_BT: Tensor) -> Tensor:
         """Start a forward writing at ``positions_BT``; returns the boolean mask [B, 1, T, S].

@@ -1,23 +1,30 @@
-"""Multi-turn rollouts: the engine writes assistant turns, the environment answers them.
+"""Multi-turn rollouts: an inference backend writes assistant turns, the environment answers.
 
-For a batch of tasks x G samples, every episode runs in lockstep rounds: each running episode's
-conversation (``env.prompt_ids``, ending with an open assistant header) goes to the engine, the
-generated ids and their behavior logprobs go back to the env (``EnvPool.step_many``: tool calls
-run concurrently), the observations are appended as tokens, and the next round starts, until
-every episode has ended (submit, turn or token limit). Then all are scored concurrently.
+For a batch of tasks x G samples, every episode runs in lockstep rounds: every running episode's
+conversation (``env.prompt_ids``, ending with an open assistant header) goes to the backend in
+ONE ``generate`` call (the in-process engine batches them continuously: a turn that ends frees
+its row for the next waiting one at once), the generated ids and their behavior logprobs go
+back to the env (``EnvPool.step_many``: tool calls run concurrently), the observations are
+appended as tokens, and the next round starts, until every episode has ended (submit, turn or
+token limit). Then all are scored concurrently.
+
+The backend is anything that speaks ``etude.engine.backends.InferenceBackend``: the in-process
+engine (an `Engine` passed here is wrapped in an `EngineBackend`) or an OpenAI-compatible
+server (``HTTPBackend``: etude serve, vLLM, SGLang). Each request carries the episode's session
+id, so a server can keep an episode's prefix where it is cached.
 
 Per token the trajectory keeps the id, the trainable mask (1 on generated ids only) and the
-behavior logprob (``log_softmax(logits / T)`` of the sampled id, as the engine reports it); per
-turn its ids, calls and typed errors (``etude.env.trajectory``). ``info`` records the group, the
-sample, the policy step and the generated token count.
+behavior logprob (as the backend reports it); per turn its ids, calls and typed errors
+(``etude.env.trajectory``). ``info`` records the group, the sample, the policy step, the
+generated token count and the policy versions that generated the episode.
 
-Sampling is seeded per (run seed, step, group, round), and each group is generated in its own
-engine call: a group's samples do not depend on which other groups share the batch or the
-rank, so one process and N data-parallel ranks roll out the same trajectories.
+Sampling is seeded per (run seed, step, group, round, sample), one generator per request: an
+episode's samples do not depend on which other episodes share the batch or the rank, so one
+process and N data-parallel ranks roll out the same trajectories.
 
 What this does not do: compute rewards beyond the env's (``etude.env.reward``), advantages, or
-any loss; continuous batching across rounds (an episode that ends early frees its row only at
-the round's end).
+any loss; overlap one episode's tool calls with other episodes' generation (a round ends when
+its longest turn ends).
 
 Legend: G samples per task.
 """
@@ -29,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from etude.engine import Engine, SamplingParams
+from etude.engine.backends import EngineBackend, GenerationRequest, InferenceBackend
+from etude.engine.engine import derive_seed
 from etude.env.pool import EnvPool
 from etude.env.trajectory import Trajectory
 from etude.tasks.record import TaskRecord
@@ -97,7 +106,7 @@ def sampling_seed(seed: int, step: int, group: int, round_index: int) -> int:
 
 
 def collect_rollouts(
-    engine: Engine,
+    backend: InferenceBackend | Engine,
     pool: EnvPool,
     tasks: Sequence[TaskRecord],
     cfg: RolloutConfig,
@@ -111,48 +120,58 @@ def collect_rollouts(
     ``group_offset`` is the global index of ``tasks[0]``'s group (a data-parallel rank's share
     starts there), so that sampling seeds follow the group, not the rank.
     """
-    if pool.cfg.max_tokens > engine.max_seq_len:
+    if isinstance(backend, Engine):
+        backend = EngineBackend(backend)
+    limit = backend.max_seq_len
+    if limit is not None and pool.cfg.max_tokens > limit:
         raise ValueError(
-            f"env.max_tokens={pool.cfg.max_tokens} exceeds the engine's max_seq_len "
-            f"({engine.max_seq_len}); lower env.max_tokens or raise model.max_seq_len"
+            f"env.max_tokens={pool.cfg.max_tokens} exceeds the backend's max_seq_len "
+            f"({limit}); lower env.max_tokens or raise model.max_seq_len"
         )
     tokenizer = pool.tokenizer
     started = time.perf_counter()
     stats = RolloutStats()
-    groups = [[pool.make_env(task) for _ in range(cfg.group_size)] for task in tasks]
-    envs = [env for group in groups for env in group]
+    G = cfg.group_size
+    envs = [pool.make_env(task) for task in tasks for _ in range(G)]
     stats.num_episodes = len(envs)
+    versions: list[list[int]] = [[] for _ in envs]
     try:
         pool.reset_many(envs)
         generated = [0] * len(envs)
         round_index = 0
         while True:
-            steps = []
-            t0 = time.perf_counter()
-            for g, group in enumerate(groups):
-                running = [env for env in group if not env.done]
-                if not running:
-                    continue
-                budget = max(env.tokens_left for env in running)
+            running = [k for k, env in enumerate(envs) if not env.done]
+            if not running:
+                break
+            requests = []
+            for k in running:
+                group, sample = divmod(k, G)
+                env = envs[k]
+                group_seed = sampling_seed(seed, step, group_offset + group, round_index)
                 params = SamplingParams(
-                    max_new_tokens=max(1, min(cfg.max_new_tokens, budget)),
+                    max_new_tokens=max(1, min(cfg.max_new_tokens, env.tokens_left)),
                     temperature=cfg.temperature,
                     top_p=cfg.top_p,
                     stop_token_ids=(tokenizer.im_end_id,),
-                    seed=sampling_seed(seed, step, group_offset + g, round_index),
+                    seed=derive_seed(group_seed, sample),
                 )
-                outputs = engine.generate([env.prompt_ids for env in running], params)
-                for env, out in zip(running, outputs):
-                    # the engine's own budget is max_seq_len - prompt; the env's is tokens_left
-                    if len(out.token_ids) > env.tokens_left:
-                        out.token_ids = out.token_ids[: env.tokens_left]
-                        out.logprobs = out.logprobs[: env.tokens_left]
-                    steps.append((env, out))
+                session = f"step{step}-group{group_offset + group}-sample{sample}"
+                requests.append(
+                    GenerationRequest(prompt_ids=env.prompt_ids, params=params, session_id=session)
+                )
+            t0 = time.perf_counter()
+            outputs = backend.generate(requests)
             stats.generate_seconds += time.perf_counter() - t0
-            if not steps:
-                break
-            for env, out in steps:
-                generated[envs.index(env)] += len(out.token_ids)
+            steps = []
+            for k, out in zip(running, outputs):
+                env = envs[k]
+                # a server's budget may exceed the env's: keep the env's limit
+                if len(out.token_ids) > env.tokens_left:
+                    out.token_ids = out.token_ids[: env.tokens_left]
+                    out.logprobs = out.logprobs[: env.tokens_left]
+                generated[k] += len(out.token_ids)
+                versions[k].append(out.policy_version)
+                steps.append((env, out))
             t0 = time.perf_counter()
             pool.step_many(steps)
             stats.env_seconds += time.perf_counter() - t0
@@ -164,9 +183,14 @@ def collect_rollouts(
     finally:
         pool.release(envs)
     for k, traj in enumerate(trajectories):
-        g, sample = divmod(k, cfg.group_size)
+        g, sample = divmod(k, G)
         traj.info.update(
-            group=group_offset + g, sample=sample, policy_step=step, generated_tokens=generated[k]
+            group=group_offset + g,
+            sample=sample,
+            policy_step=step,
+            generated_tokens=generated[k],
+            policy_version_min=min(versions[k], default=0),
+            policy_version_max=max(versions[k], default=0),
         )
     stats.generated_tokens = sum(generated)
     stats.seconds = time.perf_counter() - started
