@@ -39,7 +39,7 @@ def small_cfg(**overrides) -> ModelConfig:
 
 
 def test_presets_build_and_unknown_preset_lists_names():
-    assert PRESETS == ("tiny", "small", "kimi-k2")
+    assert PRESETS == ("tiny", "small", "kimi-k2", "deepseek-v3")
     tiny = ModelConfig.preset("tiny")
     assert (tiny.vocab_size, tiny.dim, tiny.num_layers, tiny.num_experts) == (2048, 128, 4, 8)
     k2 = ModelConfig.preset("kimi-k2")
@@ -169,6 +169,11 @@ def check_metadata(model: Transformer) -> None:
         "attention.k_proj.weight": ("heads_dim0", cfg.num_kv_heads),
         "attention.v_proj.weight": ("heads_dim0", cfg.num_kv_heads),
         "attention.o_proj.weight": ("heads_dim1", cfg.num_heads),
+        # MLA: per-head q (or q_b) and kv_b rows, whole low-rank q_a / kv_a matrices
+        "attention.q_b_proj.weight": ("heads_dim0", cfg.num_heads),
+        "attention.kv_b_proj.weight": ("heads_dim0", cfg.num_heads),
+        "attention.q_a_proj.weight": ("matrix", 1),
+        "attention.kv_a_proj.weight": ("matrix", 1),
         "ffn.experts.w1": ("experts", cfg.num_experts),
         "ffn.experts.w2": ("experts", cfg.num_experts),
         "ffn.experts.w3": ("experts", cfg.num_experts),
@@ -192,6 +197,8 @@ def check_metadata(model: Transformer) -> None:
         if info.optimizer == "muon":
             m, n = info.block_shape(shape)
             assert m * n * info.num_blocks == params[name].numel()
+    if cfg.attention == "mla":
+        return
     q = meta["layers.0.attention.q_proj.weight"]
     assert q.block_shape(tuple(params["layers.0.attention.q_proj.weight"].shape)) == (
         cfg.head_dim,

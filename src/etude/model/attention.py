@@ -15,8 +15,12 @@ s <= p of its own sequence. Ragged batches follow from this: prefill right-padde
 positions 0..L-1, then decode each sequence at its own next position; the K/V that padding wrote
 past a prompt's end is overwritten by that sequence's own tokens before any query can see it.
 
-Not here: multi-head latent attention (Kimi K2's MLA; GQA stands in for it), sliding windows,
-attention sinks, paged caches, any parallelism.
+Options of the checkpoint families: ``qk_norm`` (RMSNorm over each query and key head before
+RoPE, Qwen3), ``attention_bias`` (q/k/v biases, GLM-4 MoE) and ``rotary_dim`` (RoPE on the first
+dims of each head only, GLM-4 MoE); cos/sin come from ``etude.model.rope`` (plain or YaRN).
+
+Not here: multi-head latent attention (``etude.model.mla``), sliding windows, attention sinks,
+paged caches, any parallelism.
 
 Legend: B batch, T query tokens, S key slots, D model width, H query heads, G key/value heads,
 K head width, R = K/2 rotary frequencies, L layers.
@@ -32,16 +36,13 @@ from torch import Tensor, nn
 
 from etude.model.config import ModelConfig
 from etude.model.meta import ParamMeta
+from etude.model.norm import RMSNorm
 
 
 def rope_angles(positions_BT: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin of the RoPE angles ``pos * theta^(-2r/K)``, each [B, T, R] in fp32.
-
-    Computed from positions on every forward (cheap: B*T*R values) rather than read from a table,
-    so there is no buffer to initialize and any position works (per-sequence, CP shards).
-    """
+    """cos and sin of the plain RoPE angles ``pos * theta^(-2r/K)``, each [B, T, R] in fp32."""
     exponent_R = torch.arange(0, head_dim, 2, device=positions_BT.device, dtype=torch.float32)
-    inv_freq_R = theta ** (-exponent_R / head_dim)
+    inv_freq_R = 1.0 / theta ** (exponent_R / head_dim)
     angles_BTR = positions_BT.to(torch.float32)[..., None] * inv_freq_R
     return angles_BTR.cos(), angles_BTR.sin()
 
@@ -175,29 +176,48 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.rope_dim = cfg.rope_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def param_meta(self) -> dict[str, ParamMeta]:
-        return {
+        meta = {
             "q_proj.weight": ParamMeta(kind="heads_dim0", num_blocks=self.num_heads),
             "k_proj.weight": ParamMeta(kind="heads_dim0", num_blocks=self.num_kv_heads),
             "v_proj.weight": ParamMeta(kind="heads_dim0", num_blocks=self.num_kv_heads),
             "o_proj.weight": ParamMeta(kind="heads_dim1", num_blocks=self.num_heads),
         }
+        if self.q_proj.bias is not None:
+            meta.update({f"{n}_proj.bias": ParamMeta(kind="bias") for n in ("q", "k", "v")})
+        return meta
+
+    def _rope(self, x_BNTK: Tensor, cos_BTR: Tensor, sin_BTR: Tensor) -> Tensor:
+        if self.rope_dim == self.head_dim:
+            return apply_rope(x_BNTK, cos_BTR, sin_BTR)
+        rot_BNTK, keep_BNTK = x_BNTK.split([self.rope_dim, self.head_dim - self.rope_dim], -1)
+        return torch.cat((apply_rope(rot_BNTK, cos_BTR, sin_BTR), keep_BNTK), dim=-1)
 
     def project_qkv(
         self, x_BTD: Tensor, cos_BTR: Tensor, sin_BTR: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries [B, H, T, K] and keys [B, G, T, K] with RoPE applied, values [B, G, T, K]."""
         batch, seq, _ = x_BTD.shape
-        q_BHTK = self.q_proj(x_BTD).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGTK = self.k_proj(x_BTD).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q_BTHK = self.q_proj(x_BTD).view(batch, seq, self.num_heads, self.head_dim)
+        k_BTGK = self.k_proj(x_BTD).view(batch, seq, self.num_kv_heads, self.head_dim)
         v_BGTK = self.v_proj(x_BTD).view(batch, seq, self.num_kv_heads, self.head_dim)
-        k_BGTK, v_BGTK = k_BGTK.transpose(1, 2), v_BGTK.transpose(1, 2)
-        return apply_rope(q_BHTK, cos_BTR, sin_BTR), apply_rope(k_BGTK, cos_BTR, sin_BTR), v_BGTK
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+        q_BHTK, k_BGTK, v_BGTK = (
+            q_BTHK.transpose(1, 2),
+            k_BTGK.transpose(1, 2),
+            v_BGTK.transpose(1, 2),
+        )
+        return self._rope(q_BHTK, cos_BTR, sin_BTR), self._rope(k_BGTK, cos_BTR, sin_BTR), v_BGTK
 
     def attend(
         self, q_BHTK: Tensor, k_BGSK: Tensor, v_BGSK: Tensor, mask_B1TS: Tensor | None

@@ -8,9 +8,10 @@ plain-text table printed by ``etude model info``.
 Active parameters per token = everything except routed experts, plus top-k of E routed experts
 (embedding rows and the output head are counted whole, as published MoE counts do).
 
-Caveat for the ``kimi-k2`` preset: Kimi K2 uses multi-head latent attention (MLA); this model
-uses grouped-query attention in its place, so the attention share differs from the published
-model (GQA 64q/8kv: ~132M per layer; MLA: ~101M per layer) and the totals are approximate.
+The ``kimi-k2`` and ``deepseek-v3`` presets build the published architecture (MLA included), so
+their counts are the checkpoints' own: DeepSeek-V3 comes to 671.0B (published 671B without its
+multi-token-prediction module), Kimi K2 to 1.026T total and 32.9B active (published "1.04T" and
+"32B"/"32.6B"; the released checkpoint holds the same 61 layers).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PARTS = (
 KIMI_K2_PUBLISHED = {"total": 1.04e12, "active": 32e9}
 """Kimi K2 as published (Kimi K2 technical report): ~1.04T total, ~32B activated parameters."""
 
+
 _SHAPE_FIELDS = (
     "vocab_size",
     "dim",
@@ -52,11 +54,14 @@ _SHAPE_FIELDS = (
     "expert_ffn_dim",
     "num_shared_experts",
     "tie_embeddings",
+    "attention",
+    "q_lora_rank",
+    "kv_lora_rank",
 )
 
 
 def _part_of(name: str, kind: str) -> str:
-    if kind in ("heads_dim0", "heads_dim1"):
+    if kind in ("heads_dim0", "heads_dim1") or (kind == "matrix" and ".attention." in name):
         return "attention"
     if kind == "experts":
         return "routed_experts"
@@ -122,10 +127,19 @@ def _is_kimi_k2_shape(cfg: ModelConfig) -> bool:
 def format_model_info(cfg: ModelConfig) -> str:
     """Plain-text table of parameter counts (total, active, per part, Muon blocks)."""
     counts = count_params(cfg)
+    if cfg.attention == "mla":
+        q = f"q rank {cfg.q_lora_rank}" if cfg.q_lora_rank else "full-rank q"
+        attention = (
+            f"attention MLA {cfg.num_heads} heads ({q}, kv rank {cfg.kv_lora_rank}, qk "
+            f"{cfg.qk_nope_head_dim}+{cfg.qk_rope_head_dim}, v {cfg.v_head_dim})"
+        )
+    else:
+        attention = (
+            f"attention GQA {cfg.num_heads} q / {cfg.num_kv_heads} kv heads x {cfg.head_dim}"
+        )
     lines = [
         f"dim {cfg.dim}, {cfg.num_layers} layers ({cfg.num_layers - cfg.num_moe_layers} dense, "
-        f"{cfg.num_moe_layers} MoE), attention GQA {cfg.num_heads} q / {cfg.num_kv_heads} kv "
-        f"heads x {cfg.head_dim}, vocab {cfg.vocab_size}",
+        f"{cfg.num_moe_layers} MoE), {attention}, vocab {cfg.vocab_size}",
     ]
     if cfg.num_experts > 0:
         lines.append(
@@ -155,8 +169,8 @@ def format_model_info(cfg: ModelConfig) -> str:
             "",
             f"Kimi K2 as published: ~{_human(published['total'])} total, "
             f"~{_human(published['active'])} active; ours: {_human(counts['total'])} total, "
-            f"{_human(counts['active'])} active.",
-            "Kimi K2 uses MLA attention; GQA stands in for it here, so the attention count "
-            "(and with it the totals) is approximate.",
+            f"{_human(counts['active'])} active "
+            f"({counts['total'] / published['total'] - 1:+.1%} / "
+            f"{counts['active'] / published['active'] - 1:+.1%}).",
         ]
     return "\n".join(lines)

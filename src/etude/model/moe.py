@@ -5,7 +5,10 @@ parallelism can later replace the middle of the pipeline without touching the re
 
 1. `TopKRouter`: scores each token against every expert (sigmoid by default), picks the top-k
    experts by score + ``expert_bias`` and weights them by the score alone, normalized to sum 1
-   and multiplied by ``route_scale``. The bias is the aux-loss-free balancing knob of DeepSeek-V3
+   (``norm_topk_prob``) and multiplied by ``route_scale``. Group-limited routing (DeepSeek-V3
+   ``n_group``/``topk_group``): experts form equal groups, each group is scored by the sum of its
+   two best biased scores, and only experts of the ``topk_groups`` best groups can be chosen (the
+   others are masked with -inf, so a negative bias can never let a masked expert win). The bias is the aux-loss-free balancing knob of DeepSeek-V3
    (arXiv:2412.19437, sec. 2.1.2): it steers selection, never the output, and is updated outside
    autograd by ``MoE.update_expert_bias`` (overloaded experts go down).
 2. `permute_tokens` (pure): copies each token once per chosen expert and groups the copies by
@@ -60,13 +63,20 @@ class TopKRouter(nn.Module):
         *,
         score: str = "sigmoid",
         route_scale: float = 1.0,
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        norm_topk_prob: bool = True,
     ) -> None:
         super().__init__()
         assert 1 <= top_k <= num_experts and score in ("sigmoid", "softmax")
+        assert num_experts % num_groups == 0 and 1 <= topk_groups <= num_groups
         self.num_experts = num_experts
         self.top_k = top_k
         self.score = score
         self.route_scale = route_scale
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups
+        self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(dim, num_experts, bias=False)
         # learned by the balancing rule, not by gradients; persistent so checkpoints keep it
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -82,9 +92,19 @@ class TopKRouter(nn.Module):
         else:
             scores_NE = torch.softmax(logits_NE, dim=-1)
         # the bias changes which experts are chosen, never how much they count
-        experts_NA = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1).indices
+        choice_NE = scores_NE + self.expert_bias
+        if self.num_groups > 1:
+            choice_NGX = choice_NE.view(choice_NE.shape[0], self.num_groups, -1)
+            group_score_NG = choice_NGX.topk(2, dim=-1).values.sum(dim=-1)
+            groups_NK = group_score_NG.topk(self.topk_groups, dim=-1).indices
+            keep_NG = torch.zeros_like(group_score_NG, dtype=torch.bool)
+            keep_NG.scatter_(1, groups_NK, True)
+            keep_NE = keep_NG[..., None].expand_as(choice_NGX).reshape_as(choice_NE)
+            choice_NE = choice_NE.masked_fill(~keep_NE, float("-inf"))
+        experts_NA = torch.topk(choice_NE, self.top_k, dim=-1).indices
         weights_NA = scores_NE.gather(1, experts_NA)
-        weights_NA = weights_NA / (weights_NA.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.norm_topk_prob:
+            weights_NA = weights_NA / (weights_NA.sum(dim=-1, keepdim=True) + 1e-20)
         return weights_NA * self.route_scale, experts_NA
 
 
@@ -204,6 +224,9 @@ class MoE(nn.Module):
             cfg.num_experts_per_tok,
             score=cfg.router_score,
             route_scale=cfg.route_scale,
+            num_groups=cfg.router_num_groups,
+            topk_groups=cfg.router_topk_groups,
+            norm_topk_prob=cfg.norm_topk_prob,
         )
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_ffn_dim)
         self.shared_experts = (

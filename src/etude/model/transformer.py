@@ -6,8 +6,8 @@ whatever device they live, and ``build_model`` does meta build + ``to_empty`` + 
 Between the two steps ``etude.parallel`` may shard the modules (FSDP2, EP, CP); this file knows
 nothing of that.
 
-Block: pre-norm RMSNorm -> grouped-query attention with RoPE -> residual -> RMSNorm -> FFN ->
-residual. The FFN is a dense SwiGLU for the first ``num_dense_layers`` blocks and a mixture of
+Block: pre-norm RMSNorm -> attention with RoPE (grouped-query, ``etude.model.attention``, or
+multi-head latent, ``etude.model.mla``) -> residual -> RMSNorm -> FFN -> residual. The FFN is a dense SwiGLU for the first ``num_dense_layers`` blocks and a mixture of
 experts after (all dense when ``num_experts == 0``). Logits come out in fp32.
 
 Init: weight matrices (embedding, projections, experts, router gate, head) draw from
@@ -15,7 +15,7 @@ N(0, init_std) with a generator seeded per parameter from (seed, parameter name)
 not depend on module order or on which other parameters exist; norms are ones, biases and every
 buffer (router bias, load counts) zeros. Same seed and device type -> identical parameters.
 
-Not here: MLA, multi-token prediction, dropout, any parallelism or mixed-precision policy.
+Not here: multi-token prediction, dropout, any parallelism or mixed-precision policy.
 
 Legend: B batch, T tokens, N selected tokens per sequence, D model width, V vocabulary,
 R rotary frequencies, S key slots.
@@ -29,27 +29,15 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from etude.model.attention import Attention, KVCache, rope_angles
+from etude.model.attention import Attention, KVCache
 from etude.model.config import ModelConfig
 from etude.model.meta import ParamMeta, collect_param_meta
+from etude.model.mla import LatentKVCache, MLAttention
 from etude.model.moe import FeedForward, MoE
+from etude.model.norm import RMSNorm
+from etude.model.rope import rope_angles, rope_frequencies, yarn_attention_factor
 
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` computed in fp32 (Zhang & Sennrich 2019)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def param_meta(self) -> dict[str, ParamMeta]:
-        return {"weight": ParamMeta(kind="norm")}
-
-    def forward(self, x_BTD: Tensor) -> Tensor:
-        x32_BTD = x_BTD.float()
-        x32_BTD = x32_BTD * torch.rsqrt(x32_BTD.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32_BTD * self.weight.float()).to(x_BTD.dtype)
+__all__ = ["RMSNorm", "Transformer", "TransformerBlock", "build_model"]
 
 
 class TransformerBlock(nn.Module):
@@ -59,7 +47,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, layer_idx)
+        self.attention: Attention | MLAttention = (
+            MLAttention(cfg, layer_idx) if cfg.attention == "mla" else Attention(cfg, layer_idx)
+        )
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn: FeedForward | MoE = (
             MoE(cfg) if cfg.is_moe_layer(layer_idx) else FeedForward(cfg.dim, cfg.dense_ffn_dim)
@@ -147,7 +137,8 @@ class Transformer(nn.Module):
                 positions_BT = torch.arange(start, start + seq, device=tokens_BT.device)
                 positions_BT = positions_BT.expand(batch, seq)
             mask_B1TS = cache.advance(positions_BT)
-        cos_BTR, sin_BTR = rope_angles(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+        inv_freq_R = rope_frequencies(self.cfg, device=tokens_BT.device)
+        cos_BTR, sin_BTR = rope_angles(positions_BT, inv_freq_R, yarn_attention_factor(self.cfg))
         h_BTD = self.tok_embeddings(tokens_BT)
         for layer in self.layers:
             h_BTD = layer(
@@ -177,6 +168,16 @@ class Transformer(nn.Module):
         dtype and device default to those of the model's parameters.
         """
         weight = self.tok_embeddings.weight
+        if self.cfg.attention == "mla":
+            return LatentKVCache(
+                num_layers=self.cfg.num_layers,
+                batch_size=batch_size,
+                max_seq_len=max_seq_len,
+                kv_lora_rank=self.cfg.kv_lora_rank,
+                rope_dim=self.cfg.qk_rope_head_dim,
+                dtype=dtype if dtype is not None else weight.dtype,
+                device=device if device is not None else weight.device,
+            )
         return KVCache(
             num_layers=self.cfg.num_layers,
             batch_size=batch_size,

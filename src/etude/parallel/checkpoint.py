@@ -188,3 +188,222 @@ def load_safetensors(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import load_file
 
     model.load_state_dict(load_file(str(path)), strict=True)
+
+
+# ---------------------------------------------------------------- Hugging Face checkpoints
+
+
+def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face checkpoint directory (``ValueError`` if absent)."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{hf_dir} has no config.json; pass a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def hf_weight_files(hf_dir: str | Path) -> dict[str, str]:
+    """Tensor name -> file name, from ``model.safetensors.index.json`` or one safetensors file."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = hf_dir / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(
+            f"{hf_dir} has neither model.safetensors.index.json nor model.safetensors; etude "
+            "reads safetensors checkpoints only (convert .bin files with transformers first)"
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as f:
+        return dict.fromkeys(f.keys(), "model.safetensors")
+
+
+def _local_region(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(writable local tensor, global offset of its first element) of a plain or DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(target, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = target.to_local()
+        shape, offset = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
+        assert tuple(shape) == tuple(local.shape), (shape, local.shape)
+        return local, tuple(offset)
+    return target, (0,) * target.dim()
+
+
+def _copy_overlap(
+    local: torch.Tensor, offset: tuple[int, ...], src: torch.Tensor, src_offset: tuple[int, ...]
+) -> int:
+    """Copy the part of ``src`` (at global ``src_offset``) that falls in ``local``; elements."""
+    dst_index, src_index = [], []
+    for lo, n, s_lo, s_n in zip(offset, local.shape, src_offset, src.shape):
+        start, stop = max(lo, s_lo), min(lo + n, s_lo + s_n)
+        if start >= stop:
+            return 0
+        dst_index.append(slice(start - lo, stop - lo))
+        src_index.append(slice(start - s_lo, stop - s_lo))
+    part = src[tuple(src_index)]
+    local[tuple(dst_index)].copy_(part)
+    return part.numel()
+
+
+@torch.no_grad()
+def load_hf_checkpoint(
+    model: nn.Module, hf_dir: str | Path, *, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Fill a `Transformer` (meta-device, materialized, or FSDP2/EP-sharded) from a Hugging Face
+    checkpoint directory, one safetensors file at a time.
+
+    Each rank reads every tensor of a file once, converts it to etude's layout
+    (``etude.model.hf_adapter``: names, transposes, RoPE permutation, FP8 block dequantization)
+    and copies only the part that falls in its own shards, so a rank holds its shards plus one
+    source tensor at a time, never the whole model. A model still on the meta device is
+    allocated on ``device`` first. Returns ``{"loaded": n, "skipped": [names]}``; raises
+    ``ValueError`` for a tensor with no counterpart, a shape that does not match or a
+    parameter the checkpoint does not fill completely.
+    """
+    from safetensors import safe_open
+
+    from etude.model.hf_adapter import dequantize_fp8_blocks, target_of, to_etude
+
+    cfg = model.cfg
+    hf_config = read_hf_config(hf_dir)
+    rope_interleave = bool(hf_config.get("rope_interleave", True))
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+        model.tie_weights()
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    filled = dict.fromkeys(targets, 0)
+    regions = {name: _local_region(t) for name, t in targets.items()}
+    files = hf_weight_files(hf_dir)
+    skipped: list[str] = []
+    loaded = 0
+    for file_name in sorted(set(files.values())):
+        with safe_open(str(Path(hf_dir) / file_name), "pt") as f:
+            for hf_name in f.keys():
+                target = target_of(cfg, hf_name)
+                if target is None:
+                    skipped.append(hf_name)
+                    continue
+                if target.name not in targets:
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name!r} maps to {target.name!r}, which this "
+                        "model does not have; check the config against the checkpoint"
+                    )
+                local, offset = regions[target.name]
+                tensor = f.get_tensor(hf_name)
+                if tensor.dtype == torch.float8_e4m3fn:
+                    scale_name = hf_name + "_scale_inv"
+                    if scale_name not in files:
+                        raise ValueError(
+                            f"FP8 tensor {hf_name!r} has no {scale_name!r} in the checkpoint"
+                        )
+                    with safe_open(str(Path(hf_dir) / files[scale_name]), "pt") as g:
+                        scale_inv = g.get_tensor(scale_name)
+                    tensor = dequantize_fp8_blocks(tensor, scale_inv, local.dtype)
+                tensor = to_etude(cfg, target, tensor, rope_interleave=rope_interleave)
+                full_shape = tuple(targets[target.name].shape)
+                if target.expert is None:
+                    want, src_offset = full_shape, (0,) * len(full_shape)
+                else:
+                    want, src_offset = full_shape[1:], (target.expert, 0, 0)
+                    tensor = tensor[None]
+                if tuple(tensor.shape[-len(want) :]) != want or (
+                    target.expert is None and tuple(tensor.shape) != want
+                ):
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)} but "
+                        f"{target.name} needs {want}; the config does not match the weights"
+                    )
+                filled[target.name] += _copy_overlap(
+                    local, offset, tensor.to(local.device), src_offset
+                )
+                loaded += 1
+    # a softmax router has no selection bias in the checkpoint; counts restart from zero
+    for name, buffer in model.named_buffers():
+        if filled[name] == 0 and (
+            name.endswith(".tokens_per_expert") or cfg.router_score == "softmax"
+        ):
+            buffer.zero_()
+            filled[name] = regions[name][0].numel()
+    incomplete = [n for n, count in filled.items() if count != regions[n][0].numel()]
+    if incomplete:
+        raise ValueError(
+            f"the checkpoint does not fill {incomplete[:3]}{' ...' if len(incomplete) > 3 else ''}"
+            f" ({filled[incomplete[0]]} of {regions[incomplete[0]][0].numel()} local elements); "
+            "the checkpoint and the config do not match"
+        )
+    return {"loaded": loaded, "skipped": skipped}
+
+
+def export_hf(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    family: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> Path | None:
+    """Write a Hugging Face directory (``config.json``, safetensors shards + index) on rank 0.
+
+    ``family`` defaults to ``etude.model.hf_config.family_of(model.cfg)``; the architecture name
+    it writes is one that ``transformers`` and vLLM load. Files are written to a temporary name
+    and renamed. ``dtype`` casts floating tensors (default: as they are).
+    """
+    from safetensors.torch import save_file
+
+    from etude.model.hf_adapter import from_etude, hf_names
+    from etude.model.hf_config import hf_config_from_model
+
+    cfg = model.cfg
+    config = hf_config_from_model(cfg, family)
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    full.update({n: b for n, b in model.named_buffers() if n.endswith(".expert_bias")})
+    if _rank() != 0:
+        return None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for hf_name, target in hf_names(cfg):
+        value = full[target.name].detach().cpu()
+        if target.expert is not None:
+            value = value[target.expert]
+        value = from_etude(cfg, target, value)
+        if dtype is not None and value.is_floating_point() and not hf_name.endswith("_bias"):
+            value = value.to(dtype)
+        nbytes = value.numel() * value.element_size()
+        if size and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][hf_name] = value.clone()
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".shard.")
+        os.close(fd)
+        try:
+            save_file(shard, tmp, metadata={"format": "pt"})
+            os.replace(tmp, out_dir / name)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        weight_map.update(dict.fromkeys(shard, name))
+    if len(shards) > 1:
+        total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_text_atomic(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
+    _write_text_atomic(out_dir / "config.json", json.dumps(config, indent=2))
+    return out_dir

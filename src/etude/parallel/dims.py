@@ -197,6 +197,11 @@ class ParallelDims:
 
     def check_model(self, cfg: ModelConfig) -> None:
         """Check the degrees against a model's shapes (experts split by ``ep``, FSDP on dim 1)."""
+        if self.cp > 1 and cfg.attention == "mla":
+            raise ValueError(
+                f"parallel.cp={self.cp}: context parallelism covers grouped-query attention only; "
+                "an MLA model (model.attention='mla') needs parallel.cp=1"
+            )
         if self.ep == 1:
             return
         folded = self.dp_shard * self.cp
