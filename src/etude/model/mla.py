@@ -36,6 +36,8 @@ N = Kn (no-position dims), R = Kr (rotary dims), V = Kv (value dims), L layers.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -61,8 +63,9 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 class LatentKVCache(KVCache):
     """Preallocated MLA cache: ``latent`` [L, B, S_max, C] and ``k_rope`` [L, B, S_max, R].
 
-    Same protocol as `KVCache` (``advance`` once per forward, ``keep_rows``, ``num_filled``), so
-    the generation engine drives it without knowing which attention the model has.
+    Same protocol as `KVCache` (``advance`` once per forward, ``row_range``, ``copy_row``,
+    ``keep_rows``, ``num_filled``), so the generation engine drives it without knowing which
+    attention the model has.
     """
 
     def __init__(
@@ -105,6 +108,19 @@ class LatentKVCache(KVCache):
     def keep_rows(self, rows_B: Tensor) -> None:
         self.latent = self.latent[:, rows_B]
         self.k_rope = self.k_rope[:, rows_B]
+
+    def row_range(self, start: int, stop: int) -> LatentKVCache:
+        """A cache over rows [start, stop) sharing this cache's storage (written in place)."""
+        assert 0 <= start < stop <= self.batch_size, (start, stop, self.batch_size)
+        view = copy.copy(self)
+        view.latent, view.k_rope = self.latent[:, start:stop], self.k_rope[:, start:stop]
+        view.num_filled = view.num_slots = 0
+        return view
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copy every layer's latents and rotary keys of row ``src`` into row ``dst``."""
+        self.latent[:, dst] = self.latent[:, src]
+        self.k_rope[:, dst] = self.k_rope[:, src]
 
     def update(  # type: ignore[override]
         self, layer_idx: int, latent_BTC: Tensor, k_rope_BTR: Tensor, positions_BT: Tensor
