@@ -167,3 +167,18 @@ def test_engine_setting_errors(model):
         Engine(model, latency_batch_size=-1)
     with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
         Engine(model).generate([[1], [2]], [SamplingParams(max_new_tokens=1)])
+
+
+def test_shared_prefixes_are_copied_not_recomputed_and_change_nothing(model):
+    """Four samples of one prompt and one prompt that shares only its first 36 tokens."""
+    base = [(7 * i + 3) % 128 for i in range(40)]
+    prompts = [base] * 4 + [base[:36] + [1, 2, 3, 4, 5]]
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s) for s in range(5)]
+    sharing = Engine(model, min_shared_prefix=16)
+    shared = sharing.generate(prompts, params)
+    assert sharing.num_shared_prefix_tokens == 3 * 39 + 36
+    plain = Engine(model, min_shared_prefix=0).generate(prompts, params)
+    for prompt, a, b in zip(prompts, shared, plain):
+        assert a.token_ids == b.token_ids
+        want = full_forward_logprobs(model, prompt, a.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(a.logprobs), want, atol=1e-5, rtol=0)

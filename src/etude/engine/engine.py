@@ -13,7 +13,11 @@ next position). A step:
    capped at that size while any request of priority > 0 waits or runs (small decode batches
    for the latency tier).
 2. **prefill** the admitted requests in chunks of at most ``max_prefill_tokens`` (rows x longest
-   context), right-padded at positions 0..L-1 into their own rows; each samples its first token.
+   context), right-padded into their own rows; each samples its first token. Prefix sharing: a
+   request whose context starts with at least ``min_shared_prefix`` tokens that a running row
+   (or another request admitted in the same step) already holds copies that row
+   (``cache.copy_row``) and prefills only the rest. The G samples of one task share their whole
+   prompt, and every episode shares the tool declarations of the system prompt.
 3. **decode** every running sequence one token.
 4. **leave**: a finished sequence releases its row; the last row is copied into the hole so the
    running rows stay contiguous (``cache.copy_row``).
@@ -35,7 +39,8 @@ Two ways to drive it: ``generate(prompts, params)`` submits a batch and steps un
 (the cache is freed when the engine is idle again); or ``submit`` / ``step`` / ``abort`` from
 one thread that owns the engine (``etude serve`` runs this loop).
 
-Not here: paged or shared-prefix caches (a multi-turn episode is prefilled again every turn),
+Not here: paged caches or a prefix cache that outlives its row (a multi-turn episode's next turn
+reuses K/V only if a row with the same prefix is running),
 chunked prefill mixed into decode steps, speculative decoding, CUDA graphs, tensor parallelism.
 
 Legend: B sequences in a forward, L longest context of a prefill chunk, V vocabulary.
@@ -90,6 +95,18 @@ class StepOutput:
     """Set when the request finished in this step."""
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (binary search over C-speed slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def derive_seed(seed: int, index: int) -> int:
     """A 62-bit seed for the index-th request of a batch that shares ``seed``."""
     return (seed * 1_000_003 + index * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 62)
@@ -102,7 +119,8 @@ class Engine:
     ``max_seq_len`` (default: the model's) bounds prompt + generation per sequence.
     ``max_batch_size`` bounds the running batch (cache rows); ``max_prefill_tokens`` the size
     (rows x longest context) of one prefill forward; ``latency_batch_size`` (0 = off) caps the
-    batch while a request of priority > 0 is present.
+    batch while a request of priority > 0 is present; ``min_shared_prefix`` (0 = off) is the
+    shortest prefix worth copying from another row.
     """
 
     def __init__(
@@ -112,8 +130,9 @@ class Engine:
         max_seq_len: int | None = None,
         decode_fn: Callable[[list[int]], str] | None = None,
         max_batch_size: int = 32,
-        max_prefill_tokens: int = 8192,
+        max_prefill_tokens: int = 4096,
         latency_batch_size: int = 0,
+        min_shared_prefix: int = 32,
     ) -> None:
         limit = model.cfg.max_seq_len
         if max_seq_len is None:
@@ -142,6 +161,14 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.latency_batch_size = latency_batch_size
+        if not isinstance(min_shared_prefix, int) or min_shared_prefix < 0:
+            raise ValueError(
+                f"engine min_shared_prefix must be an integer >= 0 (0 = no sharing), got "
+                f"{min_shared_prefix!r}"
+            )
+        self.min_shared_prefix = min_shared_prefix
+        self.num_shared_prefix_tokens = 0
+        """Prompt tokens whose K/V were copied from another row instead of prefilled."""
         self.policy_version = 0
         """Recorded on every generation; the inference backend bumps it on a weight update."""
         self.num_preemptions = 0
@@ -343,34 +370,41 @@ class Engine:
         self._ensure_cache()
         outputs: dict[int, StepOutput] = {}
         admitted = self._schedule()
-        device = self.model.tok_embeddings.weight.device
-        # prefill in chunks of consecutive rows (admitted rows are the last ones)
-        start = 0
-        while start < len(admitted):
-            stop, longest = start, 0
-            while stop < len(admitted):
-                n = len(admitted[stop].prompt_ids) + len(admitted[stop].token_ids)
-                if stop > start and (stop - start + 1) * max(longest, n) > self.max_prefill_tokens:
-                    break
-                longest = max(longest, n)
-                stop += 1
-            chunk = admitted[start:stop]
-            contexts = [s.prompt_ids + s.token_ids for s in chunk]
-            tokens_BL = torch.zeros(len(chunk), longest, dtype=torch.long)
-            for b, ids in enumerate(contexts):
-                tokens_BL[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            last_B1 = torch.tensor([len(ids) - 1 for ids in contexts], device=device)[:, None]
-            cache = self._cache.row_range(chunk[0].row, chunk[-1].row + 1)
-            positions_BL = torch.arange(longest, device=device).expand(len(chunk), -1)
-            logits_BV = self.model(
-                tokens_BL.to(device),
-                positions_BT=positions_BL,
-                cache=cache,
-                logits_index_BN=last_B1,
-            )[:, 0]
-            self._sample(chunk, logits_BV, outputs)
-            start = stop
+        first = len(self._running) - len(admitted)
+        plan = self._plan_prefix_sharing(admitted, self._running[:first])
+        # admitted rows hold nothing yet: renumber them in execution order (by level, then by
+        # suffix length), so that every prefill forward covers consecutive rows
+        plan.sort(
+            key=lambda item: (item[3], len(item[0].prompt_ids) + len(item[0].token_ids) - item[2])
+        )
+        for row, (seq, _, _, _) in enumerate(plan, start=first):
+            seq.row = row
+            self._running[row] = seq
+        for level in sorted({item[3] for item in plan}):
+            items = [item for item in plan if item[3] == level]
+            for seq, source, shared, _ in items:
+                if source is not None:
+                    self._cache.copy_row(source.row, seq.row)
+                    self.num_shared_prefix_tokens += shared
+            # one forward per run of equal suffix lengths (no padding) under the token budget
+            start = 0
+            while start < len(items):
+                stop, longest = start, 0
+                while stop < len(items):
+                    seq, _, shared, _ = items[stop]
+                    n = len(seq.prompt_ids) + len(seq.token_ids) - shared
+                    if stop > start and (
+                        (stop - start + 1) * max(longest, n) > self.max_prefill_tokens
+                        or (shared > 0 and n != longest)
+                    ):
+                        break
+                    longest = max(longest, n)
+                    stop += 1
+                chunk = items[start:stop]
+                self._prefill([c[0] for c in chunk], [c[2] for c in chunk], outputs)
+                start = stop
         self._release_finished()
+        device = self.model.tok_embeddings.weight.device
         if self._running:
             running = list(self._running)
             tokens_B1 = torch.tensor([[s.token_ids[-1]] for s in running], device=device)
@@ -394,6 +428,68 @@ class Engine:
                     policy_version=seq.policy_version,
                 )
         return list(outputs.values())
+
+    def _plan_prefix_sharing(
+        self, admitted: list[_Sequence], running: list[_Sequence]
+    ) -> list[tuple[_Sequence, _Sequence | None, int, int]]:
+        """Per admitted sequence: (seq, source row's sequence or None, shared tokens, level).
+
+        A sequence shares when its context starts with at least ``min_shared_prefix`` tokens
+        that a running row or an earlier admitted sequence holds; level 0 prefills from scratch,
+        level k + 1 copies from a level-k (or running, level -1) source after that one's prefill.
+        """
+        plan: list[tuple[_Sequence, _Sequence | None, int, int]] = []
+        # a running row holds K/V for its context minus the pending last token
+        sources = [(s, s.prompt_ids + s.token_ids[:-1], -1) for s in running]
+        for seq in admitted:
+            context = seq.prompt_ids + seq.token_ids
+            best, best_len, best_level = None, 0, -1
+            if self.min_shared_prefix:
+                for source, held, level in sources:
+                    n = _common_prefix(context, held)
+                    if n > best_len:
+                        best, best_len, best_level = source, n, level
+            # at least the last context token is prefilled: its logits sample the next token
+            best_len = min(best_len, len(context) - 1)
+            if best is not None and best_len >= self.min_shared_prefix:
+                plan.append((seq, best, best_len, best_level + 1))
+                sources.append((seq, context, best_level + 1))
+            else:
+                plan.append((seq, None, 0, 0))
+                sources.append((seq, context, 0))
+        return plan
+
+    def _prefill(
+        self, seqs: list[_Sequence], starts: list[int], outputs: dict[int, StepOutput]
+    ) -> None:
+        """One forward over ``seqs``'s contexts from ``starts`` (right-padded), each into its own
+        row; samples every sequence's next token."""
+        device = self.model.tok_embeddings.weight.device
+        contexts = [s.prompt_ids + s.token_ids for s in seqs]
+        lengths = [len(ids) - start for ids, start in zip(contexts, starts)]
+        longest = max(lengths)
+        tokens_BL = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for b, (ids, start) in enumerate(zip(contexts, starts)):
+            tokens_BL[b, : lengths[b]] = torch.tensor(ids[start:], dtype=torch.long)
+        # padding continues each row's positions; a row's slots beyond its context are written
+        # but never read before the sequence overwrites them (cache slots >= every position)
+        positions_BL = torch.tensor(starts, device=device)[:, None] + torch.arange(
+            longest, device=device
+        )
+        last_B1 = torch.tensor([n - 1 for n in lengths], device=device)[:, None]
+        rows = [s.row for s in seqs]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            cache = self._cache.row_range(rows[0], rows[-1] + 1)
+            logits_BV = self.model(
+                tokens_BL.to(device),
+                positions_BT=positions_BL,
+                cache=cache,
+                logits_index_BN=last_B1,
+            )[:, 0]
+            self._sample(seqs, logits_BV, outputs)
+        else:
+            for seq, start in zip(seqs, starts):
+                self._prefill([seq], [start], outputs)
 
     def _release_finished(self) -> None:
         for seq in [s for s in self._running if s.finish is not None]:
