@@ -284,12 +284,14 @@ class CodingEnv:
         *,
         token_ids: Sequence[int] | None = None,
         logprobs: Sequence[float] | None = None,
+        policy_version: int | None = None,
     ) -> StepResult:
         """Append one assistant turn, run its tool calls, append their results.
 
         Give either ``text`` (encoded like an assistant message, ``<|im_end|>`` added) or the
         generated ``token_ids`` (ending with ``<|im_end|>`` unless the generation was cut) with
-        their behavior ``logprobs`` (one per id; default 0.0).
+        their behavior ``logprobs`` (one per id; default 0.0), and the ``policy_version`` of
+        the weights that generated them (recorded on the turn).
         """
         conversation = self.conversation
         if self.done:
@@ -324,6 +326,7 @@ class CodingEnv:
         )
         offset = gen_span.start - start
         turn.logprobs[offset : offset + len(behavior)] = behavior
+        turn.policy_version = policy_version
         self.trajectory.turns.append(turn)
         self._num_assistant_turns += 1
 

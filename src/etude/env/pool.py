@@ -105,7 +105,11 @@ class EnvPool:
             env, action = item
             if isinstance(action, str):
                 return env.step(action)
-            return env.step(token_ids=action.token_ids, logprobs=action.logprobs)
+            return env.step(
+                token_ids=action.token_ids,
+                logprobs=action.logprobs,
+                policy_version=getattr(action, "policy_version", None),
+            )
 
         return self._map(step, steps)
 

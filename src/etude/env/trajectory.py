@@ -81,6 +81,9 @@ class Turn:
     errors: list[ToolError] = field(default_factory=list)
     tool_name: str | None = None
     """For ``tool`` turns: which tool produced this observation."""
+    policy_version: int | None = None
+    """For generated ``assistant`` turns: the version of the weights that generated them
+    (optimizer steps applied; asynchronous RL bounds the trainer's step minus this)."""
 
     def __post_init__(self) -> None:
         if self.trainable:

@@ -1,0 +1,350 @@
+"""Weight sync: the trainer's new weights reach the rollout side after every optimizer step.
+
+Three ways, one interface (``push(model, version) -> SyncRecord``), chosen by
+``rollout.sync.kind``:
+
+- ``in_process``: the rollout engine's module lives in the trainer's process; its parameters and
+  buffers are copied in place (``copy_full_weights``; nothing to do when the engine runs the
+  policy module itself, as in the synchronous one-process loop).
+- ``file``: a safetensors export per version, ``DIR/v000012/{model.safetensors, config.json}``,
+  then ``DIR/LATEST`` (``{"version": 12, "path": "v000012"}``) replaced atomically, so a reader
+  sees the previous version or the whole new one, never half a file. Rollout workers on other
+  processes or machines (a shared file system) poll it with ``FileWeightWatcher``. The newest
+  ``keep`` versions stay on disk (a worker may still be reading the one before).
+- ``http``: the file sync, then ``POST URL/v1/weights/reload`` with ``{"path": ..., "version":
+  ...}`` to ``etude serve`` (the server loads the export and answers once the new weights are
+  live). The server and the trainer share the file system; the weights do not travel in the
+  request.
+
+Every push is timed (``SyncRecord.seconds``: export, rename and reload acknowledged) and, with
+``track_changes``, compared to the previous version: the fraction of bytes that changed
+(``changed_bytes / total_bytes``, element granularity: a parameter element whose value changed
+counts its whole size). That fraction is what a delta sync could save; Muon's dense orthogonal
+updates and AdamW's per-element updates differ in it.
+
+Collective: under data parallelism every rank calls ``push`` (gathering sharded parameters is a
+collective); only rank 0 writes files and sends the request.
+
+vLLM: its OpenAI server has no public endpoint that takes a path of new weights; its documented
+ways to update weights are in the offline ``LLM`` object (``collective_rpc`` /
+``load_weights`` on the worker, used by RL frameworks through a Ray-colocated engine) and, in
+development mode, ``/collective_rpc``. ``docs/async-rl.md`` says which of these was tried here.
+
+Not here: NCCL broadcast of weights from trainer ranks to inference GPUs, delta (sparse) sync,
+quantized sync.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from etude.tasks.record import write_atomic
+
+SYNC_KINDS = ("in_process", "file", "http")
+RELOAD_PATH = "/v1/weights/reload"
+LATEST = "LATEST"
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """The ``[rollout.sync]`` section: how new weights reach the rollout engine."""
+
+    kind: str = "in_process"
+    """``in_process`` (copy into the engine's module), ``file`` (safetensors + LATEST) or
+    ``http`` (file, then etude serve's reload endpoint)."""
+    directory: str = ""
+    """Where ``file``/``http`` write versions ('' = RUN/weights)."""
+    url: str = ""
+    """``http``: base URL of the server (``http://127.0.0.1:8000``)."""
+    keep: int = 2
+    """``file``/``http``: versions kept on disk (>= 2: a reader may hold the previous one)."""
+    timeout_s: float = 120.0
+    """``http``: seconds to wait for the server to acknowledge a reload."""
+    track_changes: bool = False
+    """Measure the fraction of weight bytes that changed per push (keeps a CPU copy)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in SYNC_KINDS:
+            raise ValueError(f"rollout.sync.kind={self.kind!r}: use one of {', '.join(SYNC_KINDS)}")
+        if self.kind == "http" and not self.url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"rollout.sync.url={self.url!r}: the http sync needs the server's base URL, "
+                "e.g. rollout.sync.url='http://127.0.0.1:8000'"
+            )
+        if self.keep < 2:
+            raise ValueError(f"rollout.sync.keep={self.keep} must be >= 2")
+        if not self.timeout_s > 0:
+            raise ValueError(f"rollout.sync.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncRecord:
+    """One push."""
+
+    version: int
+    seconds: float
+    total_bytes: int
+    changed_bytes: int | None = None
+    """Bytes of elements that differ from the previous push (None: not tracked, or the first)."""
+
+    @property
+    def changed_fraction(self) -> float | None:
+        if self.changed_bytes is None or self.total_bytes == 0:
+            return None
+        return self.changed_bytes / self.total_bytes
+
+    def metrics(self) -> dict[str, float]:
+        out = {"sync/seconds": self.seconds, "sync/version": float(self.version)}
+        if self.changed_fraction is not None:
+            out["sync/changed_bytes_frac"] = self.changed_fraction
+        return out
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer as a full CPU tensor (gathers DTensors: collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {name: value.detach().cpu() for name, value in state.items()}
+
+
+def changed_bytes(previous: dict[str, Tensor], current: dict[str, Tensor]) -> tuple[int, int]:
+    """(bytes of elements whose value changed, total bytes) between two state dicts.
+
+    Compared bit for bit (a NaN that stays NaN has not changed); a tensor whose name or shape is
+    new counts as wholly changed.
+    """
+    changed = total = 0
+    for name, new in current.items():
+        size = new.numel() * new.element_size()
+        total += size
+        old = previous.get(name)
+        if old is None or old.shape != new.shape or old.dtype != new.dtype:
+            changed += size
+            continue
+        # compare the raw bits: as integers of the element's width
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+        diff = old.contiguous().view(bits) != new.contiguous().view(bits)
+        changed += int(diff.sum()) * new.element_size()
+    return changed, total
+
+
+class ChangeMeter:
+    """Keeps the last pushed weights and measures what changed since (``track_changes``)."""
+
+    def __init__(self) -> None:
+        self._previous: dict[str, Tensor] | None = None
+
+    def measure(self, state: dict[str, Tensor]) -> int | None:
+        snapshot = {name: t.clone() for name, t in state.items()}
+        previous, self._previous = self._previous, snapshot
+        if previous is None:
+            return None
+        return changed_bytes(previous, snapshot)[0]
+
+
+def _state_bytes(state: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+class InProcessSync:
+    """Copies the policy's weights into the rollout engine's module in place."""
+
+    def __init__(self, engine_model: nn.Module, *, track_changes: bool = False) -> None:
+        self.engine_model = engine_model
+        self._meter = ChangeMeter() if track_changes else None
+
+    def push(self, model: nn.Module, version: int) -> SyncRecord:
+        from etude.rl.teacher import copy_full_weights
+
+        start = time.perf_counter()
+        if model is not self.engine_model:
+            with torch.no_grad():
+                copy_full_weights(model, self.engine_model)
+        seconds = time.perf_counter() - start
+        state = {
+            **dict(self.engine_model.named_parameters()),
+            **dict(self.engine_model.named_buffers()),
+        }
+        changed = None
+        if self._meter is not None:
+            changed = self._meter.measure({k: v.detach().cpu() for k, v in state.items()})
+        return SyncRecord(
+            version=version, seconds=seconds, total_bytes=_state_bytes(state), changed_bytes=changed
+        )
+
+
+def version_dir_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+class FileSync:
+    """Writes each version as a safetensors export and points ``LATEST`` at it atomically."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        model_config: dict[str, Any],
+        *,
+        keep: int = 2,
+        track_changes: bool = False,
+    ) -> None:
+        self.directory = Path(directory)
+        self.model_config = model_config
+        self.keep = keep
+        self._meter = ChangeMeter() if track_changes else None
+
+    def write(self, model: nn.Module, version: int) -> tuple[Path | None, int, int | None]:
+        """Export ``model`` as ``version``; (export dir on rank 0 else None, bytes, changed)."""
+        from safetensors.torch import save_file
+
+        state = full_state_dict(model)
+        changed = self._meter.measure(state) if self._meter is not None else None
+        if _rank() != 0:
+            return None, _state_bytes(state), changed
+        out = self.directory / version_dir_name(version)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors, storages = {}, set()
+        for name, tensor in state.items():
+            tensor = tensor.contiguous()
+            # tied weights share storage, which safetensors refuses: the second name gets a copy
+            ptr = tensor.untyped_storage().data_ptr()
+            tensors[name] = tensor.clone() if ptr in storages else tensor
+            storages.add(ptr)
+        tmp = out / ".model.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        tmp.replace(out / "model.safetensors")
+        write_atomic(out / "config.json", json.dumps(self.model_config, indent=2).encode())
+        write_atomic(
+            self.directory / LATEST,
+            json.dumps({"version": version, "path": out.name}).encode(),
+        )
+        self._prune()
+        return out, _state_bytes(state), changed
+
+    def _prune(self) -> None:
+        versions = sorted(p for p in self.directory.glob("v[0-9]*") if p.is_dir())
+        for old in versions[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def push(self, model: nn.Module, version: int) -> SyncRecord:
+        start = time.perf_counter()
+        _, total, changed = self.write(model, version)
+        return SyncRecord(
+            version=version,
+            seconds=time.perf_counter() - start,
+            total_bytes=total,
+            changed_bytes=changed,
+        )
+
+
+class HttpSync:
+    """The file sync, then a reload request to the server; done when the server has answered."""
+
+    def __init__(self, url: str, files: FileSync, *, timeout_s: float = 120.0) -> None:
+        self.url = url.rstrip("/") + RELOAD_PATH
+        self.files = files
+        self.timeout_s = timeout_s
+
+    def push(self, model: nn.Module, version: int) -> SyncRecord:
+        start = time.perf_counter()
+        path, total, changed = self.files.write(model, version)
+        if path is not None:
+            request_reload(self.url, path.resolve(), version, timeout_s=self.timeout_s)
+        return SyncRecord(
+            version=version,
+            seconds=time.perf_counter() - start,
+            total_bytes=total,
+            changed_bytes=changed,
+        )
+
+
+def request_reload(url: str, path: Path, version: int, *, timeout_s: float) -> dict[str, Any]:
+    """POST ``{"path", "version"}`` to a reload endpoint; the server's JSON answer.
+
+    A refused connection or a non-2xx answer is a ``RuntimeError`` naming the URL (the server is
+    infrastructure: the trainer stops rather than rolling out with stale weights unknowingly).
+    """
+    body = json.dumps({"path": str(path), "version": version}).encode()
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise RuntimeError(f"weight reload at {url} answered {e.code}: {detail}") from None
+    except (urllib.error.URLError, TimeoutError) as e:
+        raise RuntimeError(f"weight reload at {url} failed: {e}") from None
+
+
+def latest_version(directory: str | Path) -> tuple[int, Path] | None:
+    """(version, export dir) that ``LATEST`` names, or None before the first push."""
+    directory = Path(directory)
+    try:
+        data = json.loads((directory / LATEST).read_text())
+    except FileNotFoundError:
+        return None
+    return int(data["version"]), directory / data["path"]
+
+
+class FileWeightWatcher:
+    """The reading side of ``FileSync``: loads a newer version into a plain module when there is
+    one (a rollout worker calls ``poll`` between generations)."""
+
+    def __init__(self, directory: str | Path, version: int = -1) -> None:
+        self.directory = Path(directory)
+        self.version = version
+
+    def poll(self, model: nn.Module) -> int | None:
+        """Load the newest version if it is newer than the one held; the new version or None."""
+        from etude.parallel.checkpoint import load_safetensors
+
+        found = latest_version(self.directory)
+        if found is None or found[0] <= self.version:
+            return None
+        version, path = found
+        with torch.no_grad():
+            load_safetensors(model, path / "model.safetensors")
+        self.version = version
+        return version
+
+
+def build_weight_sync(
+    cfg: WeightSyncConfig,
+    *,
+    engine_model: nn.Module | None,
+    model_config: dict[str, Any],
+    run_dir: str | Path,
+) -> InProcessSync | FileSync | HttpSync:
+    """The sync ``cfg`` asks for (``engine_model`` is needed by ``in_process`` only)."""
+    if cfg.kind == "in_process":
+        if engine_model is None:
+            raise ValueError(
+                "rollout.sync.kind='in_process' needs the rollout engine in the trainer's "
+                "process; use 'file' or 'http' for rollout workers elsewhere"
+            )
+        return InProcessSync(engine_model, track_changes=cfg.track_changes)
+    directory = Path(cfg.directory) if cfg.directory else Path(run_dir) / "weights"
+    files = FileSync(directory, model_config, keep=cfg.keep, track_changes=cfg.track_changes)
+    if cfg.kind == "file":
+        return files
+    return HttpSync(cfg.url, files, timeout_s=cfg.timeout_s)
