@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from etude.engine import Engine, SamplingParams
+from etude.engine.backends import EngineBackend, GenerationRequest
 from etude.env.trajectory import Trajectory, Turn
 from etude.model.config import ModelConfig
 from etude.model.transformer import build_model
 from etude.rl.pipeline import (
     RolloutPipeline,
-    VersionedEngine,
     check_staleness,
     staleness_stats,
     steps_to_admit,
@@ -139,7 +139,7 @@ def test_out_of_order_and_bad_settings() -> None:
         assert pipeline.in_flight() == [1]
 
 
-def test_versioned_engine_tags_outputs_and_updates_between_calls() -> None:
+def test_a_weight_update_lands_between_generations() -> None:
     cfg = ModelConfig.preset(
         "tiny",
         vocab_size=64,
@@ -153,19 +153,31 @@ def test_versioned_engine_tags_outputs_and_updates_between_calls() -> None:
         max_seq_len=64,
     )
     policy = build_model(cfg, seed=0)
-    engine = VersionedEngine(Engine(copy.deepcopy(policy)), version=0)
-    sync = InProcessSync(engine.model)
+    backend = EngineBackend(Engine(copy.deepcopy(policy)))
+    sync = InProcessSync(backend)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
-    before = engine.generate([[1, 2, 3]], params)[0]
+    request = [GenerationRequest(prompt_ids=[1, 2, 3], params=params)]
+    before = backend.generate(request)[0]
     assert before.policy_version == 0
     with torch.no_grad():
         for p in policy.parameters():
             p.mul_(3.0)
-    record = engine.update(lambda: sync.push(policy, 1), 1)
-    assert record.version == 1
-    after = engine.generate([[1, 2, 3]], params)[0]
+    # the update waits for a generation in flight on another thread, then applies whole
+    started = threading.Event()
+    results = []
+
+    def generate_while_updating() -> None:
+        started.set()
+        results.append(backend.generate(request)[0])
+
+    worker = threading.Thread(target=generate_while_updating)
+    worker.start()
+    started.wait()
+    assert sync.push(policy, 1).version == 1
+    worker.join()
+    assert results[0].policy_version in (0, 1)
+    after = backend.generate(request)[0]
     assert after.policy_version == 1
-    # the engine now samples from the new weights: same seed, different distribution
-    assert after.logprobs != before.logprobs
-    reference = Engine(policy).generate([[1, 2, 3]], params)[0]
+    reference = Engine(policy).generate([[1, 2, 3]], [params])[0]
     assert reference.token_ids == after.token_ids and reference.logprobs == after.logprobs
+    assert after.logprobs != before.logprobs

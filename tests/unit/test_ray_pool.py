@@ -10,15 +10,12 @@ import pytest
 from etude.engine import Engine, SamplingParams
 from etude.env.coding import EnvConfig
 from etude.env.pool import EnvPool
+from etude.env.ray_pool import RayEnvPool, is_infra_failure
 from etude.model.config import ModelConfig
 from etude.model.tokenizer import Tokenizer, default_corpus
 from etude.model.transformer import build_model
 from etude.rl.rollout import RolloutConfig, collect_rollouts
 from etude.tasks.record import load_tasks
-
-ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]'")
-
-from etude.env.ray_pool import RayEnvPool, is_infra_failure  # noqa: E402
 
 TASKS = Path(__file__).parents[2] / "examples" / "tasks" / "handwritten"
 

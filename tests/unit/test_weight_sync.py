@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from etude.engine import Engine
+from etude.engine.backends import EngineBackend
 from etude.model.config import ModelConfig
 from etude.model.transformer import build_model
 from etude.rl.weight_sync import (
@@ -55,8 +57,9 @@ def logits(model, ids):
 
 def test_in_process_copies_into_the_engine_module() -> None:
     policy, _ = tiny_model(0)
-    engine = copy.deepcopy(policy)
-    sync = InProcessSync(engine, track_changes=True)
+    backend = EngineBackend(Engine(copy.deepcopy(policy)))
+    engine = backend.engine.model
+    sync = InProcessSync(backend, track_changes=True)
     first = sync.push(policy, 0)
     assert first.changed_bytes is None and first.total_bytes > 0
     perturb(policy)
@@ -66,12 +69,14 @@ def test_in_process_copies_into_the_engine_module() -> None:
     # every parameter moved; buffers (RoPE tables, expert bias) did not
     assert 0 < record.changed_fraction < 1
     assert record.metrics()["sync/version"] == 1.0
+    assert backend.policy_version == 1
 
 
-def test_in_process_with_the_same_module_is_free() -> None:
+def test_in_process_with_the_same_module_sets_the_version_only() -> None:
     policy, _ = tiny_model(0)
-    record = InProcessSync(policy).push(policy, 3)
-    assert record.version == 3 and record.changed_bytes is None
+    backend = EngineBackend(Engine(policy))
+    record = InProcessSync(backend).push(policy, 3)
+    assert record.version == 3 and record.changed_bytes is None and backend.policy_version == 3
 
 
 def test_file_sync_versions_latest_and_watcher(tmp_path) -> None:
@@ -116,4 +121,4 @@ def test_config_errors_name_the_setting() -> None:
     with pytest.raises(ValueError, match="rollout.sync.keep"):
         WeightSyncConfig(kind="file", keep=1)
     with pytest.raises(ValueError, match="in_process"):
-        build_weight_sync(WeightSyncConfig(), engine_model=None, model_config={}, run_dir=".")
+        build_weight_sync(WeightSyncConfig(), backend=None, model_config={}, run_dir=".")

@@ -29,10 +29,10 @@ first batches to finish instead would raise throughput further but bias training
 fast tasks, and could exceed the bound.)
 
 **Partial rollouts.** An episode in flight when the weights change continues with the new
-weights from its next turn on: the engine serves whatever version it holds at each call
-(``VersionedEngine``, which serializes generation and weight updates so that one call never sees
-two versions). Such an episode's turns carry different versions (``partial_episodes`` counts
-them).
+weights from its next turn on: the backend serves whatever version it holds at each call (the
+in-process ``EngineBackend`` serializes generation and ``update_weights``, so one call never sees
+two versions; a server applies a reload between decode steps). Such an episode's turns carry
+different versions (``partial_episodes`` counts them).
 
 Tasks are drawn on the trainer's thread (``draw(step)``, inside ``next_batch``), so the
 curriculum's broadcast and any other collective stay on one thread; with ``max_staleness > 0``
@@ -48,15 +48,12 @@ Legend: k = max_staleness.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from etude.engine import Engine, SamplingParams
-from etude.engine.sampling import Generation
 from etude.env.trajectory import Trajectory
 
 T = TypeVar("T")
@@ -98,44 +95,6 @@ def check_staleness(trajectories: Sequence[Trajectory], step: int, max_staleness
     for traj in trajectories:
         for version in turn_versions(traj):
             assert 0 <= step - version <= max_staleness, (traj.task_id, step, version)
-
-
-# ---------------------------------------------------------------- the engine side
-
-
-class VersionedEngine:
-    """An in-process engine whose weights change between calls, never during one.
-
-    ``generate`` tags every output with the version of the weights that produced it;
-    ``update(push, version)`` runs ``push()`` (the weight copy) under the same lock, so a
-    generation started before it finishes with the old weights and the next one sees the new.
-    """
-
-    def __init__(self, engine: Engine, version: int = 0) -> None:
-        self.engine = engine
-        self.version = version
-        self._lock = threading.Lock()
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.engine.max_seq_len
-
-    @property
-    def model(self) -> Any:
-        return self.engine.model
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        with self._lock:
-            outputs = self.engine.generate(prompts, params)
-            for out in outputs:
-                out.policy_version = self.version
-        return outputs
-
-    def update(self, push: Callable[[], T], version: int) -> T:
-        with self._lock:
-            result = push()
-            self.version = version
-        return result
 
 
 # ---------------------------------------------------------------- the pipeline

@@ -165,24 +165,29 @@ def _state_bytes(state: dict[str, Tensor]) -> int:
 
 
 class InProcessSync:
-    """Copies the policy's weights into the rollout engine's module in place."""
+    """Moves the policy's weights into the in-process engine through its backend.
 
-    def __init__(self, engine_model: nn.Module, *, track_changes: bool = False) -> None:
-        self.engine_model = engine_model
+    ``backend.update_weights`` copies under the backend's lock and sets its policy version, so
+    a generation in flight on another thread finishes with the old weights and the next one
+    sees the new. A sharded policy is gathered to full tensors first (collective).
+    """
+
+    def __init__(self, backend: Any, *, track_changes: bool = False) -> None:
+        self.backend = backend
         self._meter = ChangeMeter() if track_changes else None
 
-    def push(self, model: nn.Module, version: int) -> SyncRecord:
-        from etude.rl.teacher import copy_full_weights
+    @property
+    def engine_model(self) -> nn.Module:
+        return self.backend.engine.model
 
+    def push(self, model: nn.Module, version: int) -> SyncRecord:
         start = time.perf_counter()
-        if model is not self.engine_model:
-            with torch.no_grad():
-                copy_full_weights(model, self.engine_model)
+        sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+        with torch.no_grad():
+            self.backend.update_weights(full_state_dict(model) if sharded else model, version)
         seconds = time.perf_counter() - start
-        state = {
-            **dict(self.engine_model.named_parameters()),
-            **dict(self.engine_model.named_buffers()),
-        }
+        target = self.engine_model
+        state = {**dict(target.named_parameters()), **dict(target.named_buffers())}
         changed = None
         if self._meter is not None:
             changed = self._meter.measure({k: v.detach().cpu() for k, v in state.items()})
@@ -331,18 +336,19 @@ class FileWeightWatcher:
 def build_weight_sync(
     cfg: WeightSyncConfig,
     *,
-    engine_model: nn.Module | None,
+    backend: Any,
     model_config: dict[str, Any],
     run_dir: str | Path,
 ) -> InProcessSync | FileSync | HttpSync:
-    """The sync ``cfg`` asks for (``engine_model`` is needed by ``in_process`` only)."""
+    """The sync ``cfg`` asks for (``backend``: the in-process ``EngineBackend``, needed by
+    ``in_process`` only)."""
     if cfg.kind == "in_process":
-        if engine_model is None:
+        if backend is None or not hasattr(backend, "engine"):
             raise ValueError(
                 "rollout.sync.kind='in_process' needs the rollout engine in the trainer's "
                 "process; use 'file' or 'http' for rollout workers elsewhere"
             )
-        return InProcessSync(engine_model, track_changes=cfg.track_changes)
+        return InProcessSync(backend, track_changes=cfg.track_changes)
     directory = Path(cfg.directory) if cfg.directory else Path(run_dir) / "weights"
     files = FileSync(directory, model_config, keep=cfg.keep, track_changes=cfg.track_changes)
     if cfg.kind == "file":
