@@ -59,7 +59,12 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     from etude.config import load_toml
     from etude.model.info import format_model_info
 
-    if args.config.endswith(".toml"):
+    if (Path(args.config) / "config.json").is_file():  # a Hugging Face model directory
+        from etude.model.hf_config import model_config_from_hf
+        from etude.parallel.checkpoint import read_hf_config
+
+        mcfg, _ = model_config_from_hf(read_hf_config(args.config))
+    elif args.config.endswith(".toml"):
         from etude.pretrain import resolve_model_config
 
         mcfg = resolve_model_config(load_toml(args.config).get("model", {}))
@@ -68,6 +73,37 @@ def cmd_model_info(args: argparse.Namespace) -> int:
 
         mcfg = ModelConfig.preset(args.config)
     print(format_model_info(mcfg))
+    return 0
+
+
+def cmd_model_import(args: argparse.Namespace) -> int:
+    from etude.parallel.checkpoint import import_hf
+
+    report = import_hf(args.hf_dir, args.out)
+    print(f"imported {report['family']} from {args.hf_dir} into {args.out}")
+    return 0
+
+
+def cmd_model_export(args: argparse.Namespace) -> int:
+    import json
+
+    from etude.config import from_dict
+    from etude.model.config import ModelConfig
+    from etude.model.transformer import build_model
+    from etude.parallel.checkpoint import copy_tokenizer_files, export_hf, load_safetensors
+
+    export = Path(args.run_dir) / "export"
+    if not (export / "model.safetensors").is_file():
+        raise ValueError(
+            f"{export}/model.safetensors not found; pass a run directory (etude pretrain, sft, "
+            "train and model import write one)"
+        )
+    mcfg = from_dict(ModelConfig, json.loads((export / "config.json").read_text()), "model")
+    model = build_model(mcfg, device="cpu", seed=0)
+    load_safetensors(model, export / "model.safetensors")
+    export_hf(model, args.out, family=args.family)
+    copy_tokenizer_files(Path(args.run_dir) / "tokenizer", args.out)
+    print(f"wrote a Hugging Face directory to {args.out}")
     return 0
 
 
@@ -173,9 +209,26 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="parameter counts per kind and per Muon block shape (meta device)"
     )
     mp.add_argument(
-        "--config", default="tiny", help="a preset (tiny, small, kimi-k2) or a TOML recipe"
+        "--config",
+        default="tiny",
+        help="a preset (tiny, small, kimi-k2, deepseek-v3), a TOML recipe or a Hugging Face dir",
     )
     mp.set_defaults(func=cmd_model_info)
+    mp = msub.add_parser("import", help="Hugging Face checkpoint -> etude model directory")
+    mp.add_argument("hf_dir", help="directory with config.json and safetensors (+ tokenizer)")
+    mp.add_argument("--out", required=True, help="etude model directory to write")
+    mp.set_defaults(func=cmd_model_import)
+    mp = msub.add_parser("export", help="etude run directory -> Hugging Face directory")
+    mp.add_argument("run_dir", help="run directory with export/model.safetensors")
+    mp.add_argument("--format", choices=["hf"], default="hf", help="output format")
+    mp.add_argument("--out", required=True, help="directory to write")
+    mp.add_argument(
+        "--family",
+        choices=["deepseek_v3", "glm4_moe", "qwen3_moe", "qwen3", "llama"],
+        default=None,
+        help="architecture to write (default: the one that computes this model exactly)",
+    )
+    mp.set_defaults(func=cmd_model_export)
 
     sp = sub.add_parser(
         "monitor", help="audit trajectories for reward hacking; writes monitor.json"

@@ -19,7 +19,7 @@ from etude.model.transformer import Transformer  # noqa: E402
 from etude.parallel.checkpoint import export_hf, load_hf_checkpoint, read_hf_config  # noqa: E402
 
 SEQ = 64
-VOCAB = 128
+VOCAB = 320
 YARN = dict(
     rope_type="yarn",
     rope_theta=10000.0,

@@ -219,16 +219,18 @@ def hf_names(cfg: ModelConfig) -> Iterator[tuple[str, Target]]:
         yield "lm_head.weight", Target("output.weight")
 
 
-def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    """``weight * scale_inv`` per block: an fp8 [M, N] weight with [ceil(M/b), ceil(N/b)] scales
-    (the block edge b follows from the two shapes) -> ``dtype``."""
+def dequantize_fp8_blocks(
+    weight: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: tuple[int, int] = (128, 128)
+) -> Tensor:
+    """``weight * scale_inv`` per block: an fp8 [M, N] weight with [ceil(M/b0), ceil(N/b1)]
+    scales (``block`` = the config's ``weight_block_size``; the last blocks may be partial)."""
     rows, cols = weight.shape
-    block_r = -(-rows // scale_inv.shape[0])
-    block_c = -(-cols // scale_inv.shape[1])
-    if -(-rows // block_r) != scale_inv.shape[0] or -(-cols // block_c) != scale_inv.shape[1]:
+    block_r, block_c = block
+    if scale_inv.shape != (-(-rows // block_r), -(-cols // block_c)):
         raise ValueError(
             f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not tile a weight of "
-            f"shape {tuple(weight.shape)} into blocks"
+            f"shape {tuple(weight.shape)} into {block_r} x {block_c} blocks "
+            "(quantization_config.weight_block_size)"
         )
     scale = scale_inv.float().repeat_interleave(block_r, 0)[:rows]
     scale = scale.repeat_interleave(block_c, 1)[:, :cols]
@@ -237,7 +239,7 @@ def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype)
 
 def quantize_fp8_blocks(weight: Tensor, block: int = FP8_BLOCK) -> tuple[Tensor, Tensor]:
     """(fp8 e4m3 weight, fp32 ``weight_scale_inv``): per block ``scale = amax / 448``, as
-    DeepSeek-V3's FP8 checkpoints store it (used to write test checkpoints and by export)."""
+    DeepSeek-V3's FP8 checkpoints store it (what the tests write FP8 checkpoints with)."""
     rows, cols = weight.shape
     nr, nc = -(-rows // block), -(-cols // block)
     padded = weight.float().new_zeros(nr * block, nc * block)

@@ -273,6 +273,13 @@ def load_hf_checkpoint(
     cfg = model.cfg
     hf_config = read_hf_config(hf_dir)
     rope_interleave = bool(hf_config.get("rope_interleave", True))
+    quant = hf_config.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "fp8":
+        raise ValueError(
+            f"{hf_dir}: quantization_config.quant_method={quant.get('quant_method')!r}; etude "
+            "dequantizes only DeepSeek-style fp8 block checkpoints (quant_method 'fp8')"
+        )
+    block = tuple(quant.get("weight_block_size") or (128, 128))
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
         model.tie_weights()
@@ -305,7 +312,7 @@ def load_hf_checkpoint(
                         )
                     with safe_open(str(Path(hf_dir) / files[scale_name]), "pt") as g:
                         scale_inv = g.get_tensor(scale_name)
-                    tensor = dequantize_fp8_blocks(tensor, scale_inv, local.dtype)
+                    tensor = dequantize_fp8_blocks(tensor, scale_inv, local.dtype, block)
                 tensor = to_etude(cfg, target, tensor, rope_interleave=rope_interleave)
                 full_shape = tuple(targets[target.name].shape)
                 if target.expert is None:
@@ -407,3 +414,87 @@ def export_hf(
         _write_text_atomic(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
     _write_text_atomic(out_dir / "config.json", json.dumps(config, indent=2))
     return out_dir
+
+
+def load_hf_model(
+    hf_dir: str | Path, *, device: torch.device | str = "cpu", **overrides: Any
+) -> tuple[nn.Module, Any, str]:
+    """(`Transformer`, `ModelConfig`, family) of a Hugging Face directory, built on the meta
+    device and filled by `load_hf_checkpoint`: the one loader behind ``etude model import`` and
+    every recipe's ``init = "hf:PATH"``. ``overrides`` replace config fields."""
+    from etude.model.hf_config import model_config_from_hf
+    from etude.model.transformer import Transformer
+
+    cfg, family = model_config_from_hf(read_hf_config(hf_dir), **overrides)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_hf_checkpoint(model, hf_dir, device=device)
+    return model, cfg, family
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tiktoken.model",
+)
+"""Tokenizer and chat-template files copied along with an import or export."""
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files present in ``src`` into ``dst``; returns their names."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """``etude model import``: a Hugging Face directory -> an etude model directory.
+
+    Writes ``OUT/export/model.safetensors`` + ``OUT/export/config.json`` (etude's own names and
+    `ModelConfig`, what ``train.init = OUT`` and ``etude generate`` read), ``OUT/tokenizer/``
+    (the tokenizer and chat-template files) and ``OUT/hf_source.json`` (family, source, skipped
+    tensors). Returns that source record.
+    """
+    from etude.config import to_dict
+
+    model, cfg, family = load_hf_model(hf_dir)
+    report: dict[str, Any] = {"family": family, "source": str(Path(hf_dir).resolve())}
+    out_dir = Path(out_dir)
+    export_safetensors(model, out_dir / "export", to_dict(cfg))
+    report["tokenizer_files"] = copy_tokenizer_files(hf_dir, out_dir / "tokenizer")
+    _write_text_atomic(out_dir / "hf_source.json", json.dumps(report, indent=2))
+    return report
+
+
+def check_hf_init(init: str) -> None:
+    """Check a recipe's ``init = "hf:PATH"`` before a run starts (``ValueError`` naming it)."""
+    path = Path(init[3:])
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"train.init={init!r}: {path} has no config.json; pass hf:DIR with a Hugging Face "
+            "model directory (config.json, safetensors, tokenizer.json)"
+        )
+    from etude.model.hf_config import model_config_from_hf
+
+    model_config_from_hf(read_hf_config(path))
+    hf_weight_files(path)
+
+
+def load_hf_policy(
+    hf_dir: str | Path, *, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, Any, Any]:
+    """(model, tokenizer, `ModelConfig`) for ``init = "hf:PATH"``: `load_hf_model` on
+    ``device`` and the directory's tokenizer (``etude.model.hf_tokenizer``)."""
+    from etude.model.hf_tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(hf_dir)
+    model, cfg, _ = load_hf_model(hf_dir, device=device)
+    return model, tok, cfg

@@ -177,7 +177,11 @@ def load_policy(
     from etude.parallel.checkpoint import load_safetensors
     from etude.pretrain import resolve_model_config
 
-    if init:
+    if init.startswith("hf:"):
+        from etude.parallel.checkpoint import load_hf_policy
+
+        model, tok, mcfg = load_hf_policy(init[3:], device=device)
+    elif init:
         import json
 
         export = Path(init) / "export"

@@ -179,7 +179,11 @@ class TrainConfig:
             raise ValueError("train.log_every and train.checkpoint_every must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}: use auto, cpu or cuda")
-        if self.init and not (Path(self.init) / "export" / "model.safetensors").is_file():
+        if self.init.startswith("hf:"):
+            from etude.parallel.checkpoint import check_hf_init
+
+            check_hf_init(self.init)
+        elif self.init and not (Path(self.init) / "export" / "model.safetensors").is_file():
             raise ValueError(
                 f"train.init={self.init!r} has no export/model.safetensors; pass a run directory "
                 "written by `etude sft` (or leave train.init empty to start from scratch)"
