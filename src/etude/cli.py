@@ -245,12 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     from etude.plan.report import add_plan_parser
     from etude.report.cli import add_report_parser
     from etude.rl.cli import add_rl_parsers
+    from etude.serve.cli import add_serve_parser
     from etude.tasks.cli import add_tasks_parser
 
     add_tasks_parser(sub)
     add_rl_parsers(sub)
     add_plan_parser(sub)
     add_report_parser(sub)
+    add_serve_parser(sub)
     return p
 
 

@@ -1,0 +1,133 @@
+"""What ``etude serve PATH`` serves: a model, its tokenizer and a name, from one path.
+
+PATH may be:
+
+- an etude run directory (``etude pretrain``/``sft``/``train``): ``export/model.safetensors``,
+  ``export/config.json`` and ``tokenizer/tokenizer.json``;
+- an etude export directory (``model.safetensors`` + ``config.json``), the tokenizer in
+  ``PATH/tokenizer`` or ``PATH/../tokenizer``;
+- a checkpoint step directory of a run (``RUN/step_N`` with ``extra.json``): the model shape from
+  ``RUN/export/config.json``, the weights from the DCP checkpoint;
+- a Hugging Face checkpoint directory (``config.json`` with ``architectures``, safetensors
+  shards), converted by ``etude.parallel.checkpoint.load_hf_checkpoint``. Its ``tokenizer.json``
+  (if present) is used to decode text; chat needs etude's own tokenizer and template, so an
+  imported checkpoint serves ``/v1/completions`` with token ids only.
+
+Not here: GGUF or other formats, quantized serving, downloading anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from etude.model.tokenizer import Tokenizer
+from etude.model.transformer import Transformer
+
+
+@dataclass(kw_only=True, slots=True)
+class Served:
+    """A loaded model ready to be served."""
+
+    model: Transformer
+    name: str
+    tokenizer: Tokenizer | None
+    """etude's tokenizer (chat template, tool calls); None for an imported checkpoint."""
+    decode: Callable[[list[int]], str] | None
+    """Ids -> text for the ``text`` fields and stop strings (None: no tokenizer at all)."""
+    stop_token_ids: tuple[int, ...]
+    """Ids that end an assistant message (``<|im_end|>``); empty when unknown."""
+    source: Path
+
+
+def _model_config(path: Path):
+    from etude.config import from_dict
+    from etude.model.config import ModelConfig
+
+    return from_dict(ModelConfig, json.loads(path.read_text()), "model")
+
+
+def _etude_tokenizer(*dirs: Path) -> Tokenizer | None:
+    for d in dirs:
+        if (d / "tokenizer.json").is_file():
+            return Tokenizer.load(d)
+    return None
+
+
+def load_served(path: str | Path, *, device: str = "cpu", name: str = "") -> Served:
+    """Load PATH (see the module docstring) onto ``device`` in eval mode."""
+    from etude.model.transformer import build_model
+    from etude.parallel.checkpoint import load_checkpoint, load_safetensors
+
+    source = Path(path).resolve()
+    if not source.is_dir():
+        raise ValueError(f"{path}: not a directory; pass a run, export, checkpoint or HF directory")
+    tokenizer: Tokenizer | None = None
+    decode = None
+    if (source / "export" / "model.safetensors").is_file():
+        model = build_model(_model_config(source / "export" / "config.json"), device=device, seed=0)
+        load_safetensors(model, source / "export" / "model.safetensors")
+        tokenizer = _etude_tokenizer(source / "tokenizer")
+    elif (source / "extra.json").is_file():
+        run = source.parent
+        if not (run / "export" / "config.json").is_file():
+            raise ValueError(
+                f"{source} is a checkpoint, but {run}/export/config.json (the model shape) is "
+                "missing; serve the run directory after it exported once"
+            )
+        model = build_model(_model_config(run / "export" / "config.json"), device=device, seed=0)
+        load_checkpoint(source, model)
+        tokenizer = _etude_tokenizer(run / "tokenizer")
+    elif (source / "model.safetensors").is_file() and not _is_hf(source):
+        model = build_model(_model_config(source / "config.json"), device=device, seed=0)
+        load_safetensors(model, source / "model.safetensors")
+        tokenizer = _etude_tokenizer(source / "tokenizer", source.parent / "tokenizer")
+    elif _is_hf(source):
+        from etude.model.hf_config import model_config_from_hf
+        from etude.parallel.checkpoint import load_hf_checkpoint, read_hf_config
+
+        cfg, _ = model_config_from_hf(read_hf_config(source))
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        load_hf_checkpoint(model, source, device=device)
+        if (source / "tokenizer.json").is_file():
+            import tokenizers
+
+            hf_tok = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
+            decode = lambda ids: hf_tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    else:
+        raise ValueError(
+            f"{source}: no model found; pass a run directory (export/model.safetensors), an "
+            "export directory (model.safetensors + config.json), a checkpoint step directory "
+            "(extra.json) or a Hugging Face directory (config.json with architectures)"
+        )
+    if tokenizer is not None:
+        if tokenizer.vocab_size > model.cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                f"{model.cfg.vocab_size}; serve the tokenizer the model was trained with"
+            )
+        decode = tokenizer.decode
+    model.eval().requires_grad_(False)
+    return Served(
+        model=model,
+        name=name or source.name,
+        tokenizer=tokenizer,
+        decode=decode,
+        stop_token_ids=(tokenizer.im_end_id,) if tokenizer is not None else (),
+        source=source,
+    )
+
+
+def _is_hf(path: Path) -> bool:
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "architectures" in json.loads(config.read_text())
+    except ValueError:
+        return False
