@@ -203,15 +203,15 @@ def test_completion_tokens_logprobs_usage_and_ledger(server, run_dir):
 def test_http_rollouts_equal_in_process_rollouts(server, run_dir, tmp_path):
     served = load_local(run_dir)
     tok = served.tokenizer
-    tasks = load_tasks(TASKS / "tasks.jsonl")[:2]
+    tasks = load_tasks(TASKS / "tasks.jsonl")[:1]
     env_cfg = EnvConfig(max_turns=2, max_tokens=4000, work_dir=str(tmp_path))
-    cfg = RolloutConfig(tasks_per_step=2, group_size=2, max_new_tokens=12, num_workers=2)
+    cfg = RolloutConfig(tasks_per_step=1, group_size=2, max_new_tokens=12, num_workers=2)
     local = EngineBackend(Engine(served.model, max_seq_len=4000, decode_fn=tok.decode))
     remote = HTTPBackend(HTTPBackendConfig(url=server.url + "/v1", api_key=KEY, tier="standard"))
     with EnvPool(env_cfg, tokenizer=tok, base_dir=TASKS, max_workers=2) as pool:
         a, _ = collect_rollouts(local, pool, tasks, cfg, seed=3, step=1)
         b, _ = collect_rollouts(remote, pool, tasks, cfg, seed=3, step=1)
-        envs = [pool.make_env(t) for t in tasks]
+        envs = [pool.make_env(t) for t in load_tasks(TASKS / "tasks.jsonl")[:2]]
         pool.reset_many(envs)
         prompts = [list(e.prompt_ids) for e in envs]
     for x, y in zip(a, b):
