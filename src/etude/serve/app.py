@@ -61,7 +61,7 @@ class ServeConfig:
     tiers: dict[str, Tier]
     default_tier: str = "fast"
     max_batch_size: int = 32
-    latency_batch_size: int = 8
+    latency_batch_size: int = 0
     """Decode batch cap while a fast request is present (0 = no cap)."""
     max_seq_len: int | None = None
 

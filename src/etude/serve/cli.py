@@ -33,7 +33,7 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--max-batch-size", type=int, default=32, help="rows of the running batch")
     sp.add_argument(
-        "--latency-batch-size", type=int, default=8,
+        "--latency-batch-size", type=int, default=0,
         help="decode batch cap while a fast-tier request is present (0 = none)",
     )  # fmt: skip
     sp.add_argument("--max-seq-len", type=int, default=0, help="context length (0 = the model's)")
