@@ -8,8 +8,9 @@ export PYTHONUNBUFFERED := 1
 .PHONY: demo test test-all bench lint format clean system-deps
 
 # Debian packages, installed only where missing (needs root or sudo): bubblewrap runs the
-# sandboxes, chromium renders the run report in the browser test.
-SYSTEM_PKGS := bwrap:bubblewrap chromium:chromium
+# sandboxes, strace records their file-access provenance, chromium renders the run report in
+# the browser test.
+SYSTEM_PKGS := bwrap:bubblewrap strace:strace chromium:chromium
 system-deps:
 	@missing=""; for pair in $(SYSTEM_PKGS); do \
 	  command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair##*:}"; done; \

@@ -49,7 +49,11 @@ from etude.env.trajectory import ToolCall, ToolError, Trajectory
 from etude.model.chat import Conversation, Span, encode_header, tools_system_prompt
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
 from etude.sandbox import SandboxConfig, make_sandbox
+from etude.tasks.layout import detect_layout
 from etude.tasks.record import TaskRecord, is_archive, resolve_workspace
+
+MAX_TEST_SOURCE_CHARS = 64_000
+MAX_LISTED_FILES = 5_000
 
 DEFAULT_INSTRUCTIONS = (
     "You are a coding agent working in a Python repository; its root is your working directory. "
@@ -168,6 +172,7 @@ class CodingEnv:
         self._episode_dir: Path | None = None
         self._original: Path | None = None
         self._toolbox: Toolbox | None = None
+        self._repo: dict[str, Any] = {}
         self._conversation: Conversation | None = None
         self._trajectory: Trajectory | None = None
         self._header_start = 0
@@ -242,6 +247,7 @@ class CodingEnv:
             else:
                 self._original = resolve_workspace(self.task, self.base_dir)
             copy_workspace(self._original, episode_dir / "workspace")
+            self._repo = repo_facts(self.task, episode_dir / "workspace")
             hidden = tuple(dict.fromkeys([*self.cfg.sandbox.hidden_paths, *etude.hidden_paths]))
             sandbox_cfg = dataclasses.replace(self.cfg.sandbox, hidden_paths=hidden)
             self._toolbox = Toolbox(
@@ -259,7 +265,7 @@ class CodingEnv:
 
     def _start_conversation(self) -> None:
         conversation = Conversation(self.tokenizer)
-        trajectory = Trajectory(task_id=self.task.instance_id)
+        trajectory = Trajectory(task_id=self.task.instance_id, info={"repo": self._repo})
         system = tools_system_prompt(tool_schemas(), preamble=self.cfg.instructions)
         for role, text in (("system", system), ("user", self.task.problem_statement)):
             span = conversation.add_message(role, text)
@@ -422,6 +428,40 @@ class CodingEnv:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def repo_facts(task: TaskRecord, workspace: Path) -> dict[str, Any]:
+    """What the monitor knows of the task's repository (``Trajectory.info["repo"]``).
+
+    Package and module names, the source root and the test files of the workspace
+    (``etude.tasks.layout``), and the text of the failing tests' files (capped): the monitor
+    reads them instead of guessing the package from what the agent printed.
+    """
+    tops = [s.split(".", 1)[0] for s in (task.etude.symbols if task.etude else [])]
+    try:
+        layout = detect_layout(workspace, dict.fromkeys(tops))
+    except ValueError:  # a symbol outside the package (a test helper, say): search instead
+        layout = detect_layout(workspace)
+    sources: dict[str, str] = {}
+    budget = MAX_TEST_SOURCE_CHARS
+    for rel in dict.fromkeys(t.split("::", 1)[0] for t in task.FAIL_TO_PASS):
+        path = workspace / rel
+        if budget <= 0 or not path.is_file():
+            continue
+        sources[rel] = path.read_text(errors="replace")[:budget]
+        budget -= len(sources[rel])
+    files = sorted(
+        p.relative_to(workspace).as_posix() for p in workspace.rglob("*") if not p.is_dir()
+    )
+    return {
+        "workspace_files": files[:MAX_LISTED_FILES],
+        "workspace_files_truncated": len(files) > MAX_LISTED_FILES,
+        "packages": list(layout.packages),
+        "source_root": layout.source_root,
+        "modules": sorted(layout.modules.values()),
+        "test_files": list(layout.test_files),
+        "test_sources": sources,
+    }
 
 
 def run_episode(env: CodingEnv, agent: Agent) -> Trajectory:

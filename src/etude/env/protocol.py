@@ -182,6 +182,8 @@ class CallResult:
     error: ToolError | None = None
     executed: bool = True
     """False when the call was not run (malformed, unknown tool, after submit or timeout)."""
+    provenance: dict[str, Any] | None = None
+    """What the call's sandboxed command touched, when recorded (``ToolOutcome.provenance``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -245,7 +247,12 @@ def run_turn(
                 turn.errors.append(outcome.error)
             turn.submitted = outcome.submitted
             turn.results.append(
-                CallResult(call=call, observation=outcome.observation, error=outcome.error)
+                CallResult(
+                    call=call,
+                    observation=outcome.observation,
+                    error=outcome.error,
+                    provenance=outcome.provenance,
+                )
             )
             continue
         turn.errors.append(error)
@@ -277,6 +284,7 @@ def append_results(conversation: Conversation, turn: TurnResult) -> list[Turn]:
         span = conversation.add_message("tool", observation)
         record = turn_record(conversation, span, "tool", observation)
         record.tool_name = result.call.name if result.call is not None else None
+        record.provenance = result.provenance
         out.append(record)
     if turn.reminder is not None:
         span = conversation.add_message("user", turn.reminder)

@@ -227,6 +227,8 @@ class ToolOutcome:
     """Set when the call went wrong (bad arguments, path escape, the tool failed)."""
     submitted: bool = False
     """The call was ``submit``: the episode ends."""
+    provenance: dict[str, Any] | None = None
+    """What a ``bash`` command touched (``sandbox.provenance``), as JSON; None when not recorded."""
 
 
 class ToolFailure(Exception):
@@ -804,7 +806,8 @@ class Toolbox:
             parts.append("--- stderr ---\n" + result.stderr.rstrip("\n"))
         if not result.stdout and not result.stderr:
             parts.append("(no output)")
-        return ToolOutcome(observation="\n".join(parts))
+        prov = result.provenance.to_json() if result.provenance is not None else None
+        return ToolOutcome(observation="\n".join(parts), provenance=prov)
 
     def submit(self) -> ToolOutcome:
         return ToolOutcome(

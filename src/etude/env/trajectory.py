@@ -84,6 +84,9 @@ class Turn:
     policy_version: int | None = None
     """For generated ``assistant`` turns: the version of the weights that generated them
     (optimizer steps applied; asynchronous RL bounds the trainer's step minus this)."""
+    provenance: dict[str, Any] | None = None
+    """For ``tool`` turns of sandboxed tools: what the command touched
+    (``etude.sandbox.provenance.Provenance.to_json``); None when not recorded."""
 
     def __post_init__(self) -> None:
         if self.trainable:
@@ -147,7 +150,11 @@ class Trajectory:
         return ((i, t) for i, t in enumerate(self.turns) if t.role == "assistant")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for turn in data["turns"]:
+            if turn["provenance"] is None:
+                del turn["provenance"]  # most turns ran no command
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Trajectory:

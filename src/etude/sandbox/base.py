@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol, runtime_checkable
 
+from etude.sandbox.provenance import Provenance
+
 Backend = Literal["auto", "bwrap", "local"]
 
 # After the leader exits (or is killed), how long to keep reading pipes that a process which
@@ -73,6 +75,8 @@ class SandboxConfig:
     """Fixed environment variables for every command (per-call ``env`` overrides them)."""
     uid_range: tuple[int, int] = (61000, 61512)
     """Unprivileged uids [start, stop) leased one per concurrent bwrap run when started as root."""
+    provenance: bool = False
+    """Record the files each command opened, wrote, ran and deleted (bwrap only; needs strace)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "bwrap", "local"):
@@ -141,6 +145,8 @@ class Result:
     """Wall-clock seconds from start to the reaped exit."""
     truncated: bool
     """Either stream exceeded ``max_output_bytes`` and was cut."""
+    provenance: Provenance | None = None
+    """What the command touched (``sandbox.provenance``); None when not recorded."""
 
     @property
     def ok(self) -> bool:

@@ -50,6 +50,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from etude.sandbox import provenance
 from etude.sandbox.base import (
     Result,
     SandboxConfig,
@@ -143,7 +144,8 @@ class BwrapSandbox:
         )
 
     def _tools(self) -> tuple[str, ...]:
-        return ("bwrap", "prlimit", "setpriv") if os.geteuid() == 0 else ("bwrap", "prlimit")
+        tools = ("bwrap", "prlimit", "setpriv") if os.geteuid() == 0 else ("bwrap", "prlimit")
+        return tools + (("strace",) if self.config.provenance else ())
 
     def _mkdirs_for(self, dest: str, made: set[str]) -> list[str]:
         """``--dir`` arguments (mode 0755) for the parents of ``dest`` not in ``made`` (updated).
@@ -192,6 +194,12 @@ class BwrapSandbox:
             args += self._ro_bind(os.path.realpath(dest), dest)
         return args
 
+    def _runtime_roots(self) -> list[str]:
+        """The system and interpreter roots (not ``extra_ro_paths``): provenance counts reads
+        under them per directory."""
+        extra = {os.path.abspath(p) for p in self.config.extra_ro_paths}
+        return [r for r in self._ro_roots if r not in extra] + list(MERGED_USR_DIRS)
+
     def _check_workspace(self, ws: Path) -> None:
         path = str(ws)
         if path in SHARED_DIRS or path == os.path.expanduser("~"):
@@ -222,10 +230,20 @@ class BwrapSandbox:
                 args += ["--ro-bind", "/dev/null", real]
         return args
 
-    def command(self, argv: list[str], ws: Path, uid: int | None) -> list[str]:
-        """The full bwrap argv for ``argv`` in workspace ``ws`` (as ``uid`` when given)."""
+    def command(
+        self, argv: list[str], ws: Path, uid: int | None, trace_dir: str | None = None
+    ) -> list[str]:
+        """The full bwrap argv for ``argv`` in workspace ``ws`` (as ``uid`` when given).
+
+        With ``trace_dir`` the tracer (``etude.sandbox.provenance``) starts first, before the
+        privilege drop, and writes its log into that host directory.
+        """
         args = [*self._static_args, *self._mkdirs_for(str(ws), set(self._dirs_made))]
-        args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws), "--"]
+        args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws)]
+        if trace_dir is not None:
+            args += ["--bind", trace_dir, provenance.TRACE_DIR, "--", *provenance.strace_argv()]
+        else:
+            args.append("--")
         if uid is not None:
             args += [
                 "setpriv",
@@ -261,15 +279,29 @@ class BwrapSandbox:
             timeout_s=timeout_s,
             max_output_bytes=self.config.max_output_bytes,
         )
-        if not self._as_root:
-            return run(self.command(argv, ws, None))
-        with _workspace_lock(ws), _lease_uid(*self.config.uid_range) as uid:
-            owner = os.stat(ws)
-            chown_tree(ws, uid, uid)
-            try:
-                return run(self.command(argv, ws, uid))
-            finally:
-                chown_tree(ws, owner.st_uid, owner.st_gid)
+        with contextlib.ExitStack() as stack:
+            trace_dir = None
+            if self.config.provenance:
+                trace_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="etude-trace-"))
+            if not self._as_root:
+                result = run(self.command(argv, ws, None, trace_dir))
+            else:
+                with _workspace_lock(ws), _lease_uid(*self.config.uid_range) as uid:
+                    owner = os.stat(ws)
+                    chown_tree(ws, uid, uid)
+                    try:
+                        result = run(self.command(argv, ws, uid, trace_dir))
+                    finally:
+                        chown_tree(ws, owner.st_uid, owner.st_gid)
+            if trace_dir is not None:
+                result.provenance = provenance.read_trace(
+                    trace_dir,
+                    workspace=str(ws),
+                    runtime_roots=self._runtime_roots(),
+                    # the tracer starts (setpriv when root), then prlimit, then the command
+                    wrapper_execs=2 if self._as_root else 1,
+                )
+            return result
 
 
 def _copy_readable(src: str, dest: str) -> None:

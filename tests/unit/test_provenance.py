@@ -1,0 +1,173 @@
+"""File-access provenance: the strace log parser on recorded lines, and live bwrap runs.
+
+The live tests run real commands under bubblewrap with ``sandbox.provenance`` on and check that
+what the command did is recorded however it was spelled, and that the command can neither read
+nor rewrite its own trace.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from etude.sandbox import SandboxConfig
+from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
+from etude.sandbox.provenance import Provenance, merge, parse_strace, split_args
+
+WS = "/work/ep/workspace"
+
+
+def parse(lines: str, **kw) -> Provenance:
+    kw.setdefault("workspace", WS)
+    return parse_strace(lines.strip().splitlines(), **kw)
+
+
+def test_opens_are_sorted_by_what_they_do():
+    prov = parse(
+        f"""
+7 openat(AT_FDCWD</work/ep/workspace>, "textkit/roman.py", O_RDONLY|O_CLOEXEC) = 3</work/ep/workspace/textkit/roman.py>
+7 openat(AT_FDCWD, "out.txt", O_WRONLY|O_CREAT|O_TRUNC, 0666) = 4
+7 openat(AT_FDCWD, ".coverage", O_RDWR|O_CREAT|O_CLOEXEC, 0644) = 5
+7 openat(AT_FDCWD, "textkit", O_RDONLY|O_NONBLOCK|O_CLOEXEC|O_DIRECTORY) = 6
+7 openat(AT_FDCWD, "/run", O_RDONLY|O_PATH|O_DIRECTORY) = 7
+7 openat(AT_FDCWD, ".mypy_cache/x.json", O_RDONLY) = -1 ENOENT (No such file or directory)
+7 openat(AT_FDCWD, "textkit/__pycache__/roman.cpython-311.pyc", O_RDONLY) = -1 ENOENT (No such file or directory)
+7 openat(AT_FDCWD, "/dev/null", O_WRONLY|O_CREAT|O_TRUNC, 0666) = 3
+7 openat(AT_FDCWD, "{WS}/../elsewhere/tasks.jsonl", O_RDONLY) = 3
+"""
+    )
+    assert prov.read == ["textkit/roman.py", ".coverage", "/work/ep/elsewhere/tasks.jsonl"]
+    assert prov.written == ["out.txt", ".coverage"]
+    assert prov.listed == ["textkit"]
+    # a missing cache is a look for it; a missing bytecode entry is every import's probe
+    assert prov.failed == [".mypy_cache/x.json"]
+    assert prov.complete and not prov.truncated
+
+
+def test_cwd_follows_chdir_fchdir_and_clone():
+    prov = parse(
+        """
+10 chdir("sub") = 0
+10 clone(child_stack=NULL, flags=CLONE_CHILD_CLEARTID|SIGCHLD, child_tidptr=0x7f) = 11
+11 openat(AT_FDCWD, "a.txt", O_RDONLY) = 3
+10 fchdir(3</tmp/scratch>) = 0
+10 openat(AT_FDCWD, "b.txt", O_RDONLY) = 3
+11 openat(4</work/ep/workspace/tests>, "test_x.py", O_RDONLY) = 5
+"""
+    )
+    assert prov.read == ["sub/a.txt", "/tmp/scratch/b.txt", "tests/test_x.py"]
+
+
+def test_unfinished_calls_resume_and_renames_delete_and_write():
+    prov = parse(
+        """
+20 unlinkat(AT_FDCWD, "tests/test_a.py", 0 <unfinished ...>
+21 execve("/usr/bin/git", ["git", "-c", "a=b", "log"], 0x7ffd /* 3 vars */ <unfinished ...>
+20 <... unlinkat resumed>) = 0
+21 <... execve resumed>) = 0
+20 renameat2(AT_FDCWD, "tests/sedAb12", AT_FDCWD, "tests/test_b.py", 0) = 0
+20 rename("old.py", "/tmp/old.py") = 0
+20 mkdir("newdir", 0777) = 0
+20 rmdir("newdir") = 0
+20 unlink("missing") = -1 ENOENT (No such file or directory)
+"""
+    )
+    assert prov.deleted == ["tests/test_a.py", "tests/sedAb12", "old.py", "newdir"]
+    assert prov.written == ["tests/test_b.py", "/tmp/old.py", "newdir"]
+    assert prov.executed == ["/usr/bin/git"]
+    assert prov.processes == [["git", "-c", "a=b", "log"]]
+
+
+def test_wrappers_runtime_and_escapes():
+    prov = parse(
+        r"""
+5 execve("/usr/bin/setpriv", ["setpriv", "--"], 0x1 /* 2 vars */) = 0
+5 openat(AT_FDCWD, "/proc/self/status", O_RDONLY) = 3
+5 execve("/usr/bin/prlimit", ["prlimit", "--"], 0x1 /* 2 vars */) = 0
+5 execve("/bin/bash", ["bash", "-c", "cat \"a\\nb\" \303\251"], 0x1 /* 2 vars */) = 0
+5 openat(AT_FDCWD, "/usr/lib/python3.11/json/__init__.py", O_RDONLY) = 3
+5 openat(AT_FDCWD, "/usr/lib/python3.11/json/decoder.py", O_RDONLY) = 3
+5 openat(AT_FDCWD, "/usr/lib/python3/dist-packages/textkit/deep/roman.py", O_RDONLY) = 3
+5 openat(AT_FDCWD, "/usr/lib/missing.so", O_RDONLY) = -1 ENOENT (No such file or directory)
+5 openat(AT_FDCWD, "we\"ird\x41.txt", O_RDONLY) = 3
+""",
+        runtime_roots=["/usr"],
+        wrapper_execs=2,
+    )
+    # setpriv's own /proc read is not the command's; the command's exec is
+    assert prov.processes == [["bash", "-c", 'cat "a\\nb" \u00e9']]
+    assert prov.runtime_dirs == {
+        "/usr/lib/python3.11/json": 2,
+        "/usr/lib/python3/dist-packages/textkit": 1,
+    }
+    assert prov.failed == [] and prov.read == ['we"irdA.txt']
+
+
+def test_split_args_keeps_strings_and_brackets_whole():
+    args = split_args('AT_FDCWD, "a, b", ["x", "y,z"], {st_mode=0}, 3</p, q>')
+    assert args == ["AT_FDCWD", '"a, b"', '["x", "y,z"]', "{st_mode=0}", "3</p, q>"]
+
+
+def test_cut_trace_is_incomplete_and_merge_unions():
+    prov = parse('9 openat(AT_FDCWD, "a", O_RDONLY <unfinished ...>')
+    assert not prov.complete
+    other = Provenance(read=["a", "b"], processes=[["ls"]], runtime_dirs={"/usr": 2})
+    both = merge([Provenance(read=["a"], runtime_dirs={"/usr": 1}), None, other])
+    assert both.read == ["a", "b"] and both.runtime_dirs == {"/usr": 3}
+    assert Provenance.from_json(both.to_json()) == both
+    with pytest.raises(ValueError, match="unknown keys"):
+        Provenance.from_json({"reads": []})
+
+
+needs_bwrap = pytest.mark.skipif(
+    bwrap_unavailable_reason() is not None or shutil.which("strace") is None,
+    reason=f"bwrap or strace unavailable: {bwrap_unavailable_reason()}",
+)
+
+
+@pytest.fixture
+def workspace():
+    ws = Path(tempfile.mkdtemp(prefix="etude-prov-test-"))
+    (ws / "sub").mkdir()
+    (ws / "sub" / "x.py").write_text("print(1)\n")
+    (ws / "a.txt").write_text("a\n")
+    (ws / ".mypy_cache").mkdir()
+    (ws / ".mypy_cache" / "m.data.json").write_text("{}")
+    yield ws
+    shutil.rmtree(ws, ignore_errors=True)
+
+
+@needs_bwrap
+def test_live_provenance_sees_through_spelling(workspace):
+    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    cmd = (
+        "D=su; cat ${D}b/x.py >/dev/null; P=.mypy_; cat ${P}cache/m.data.json >/dev/null; "
+        "python3 -c \"import os; os.remove('a'+'.txt'); open('o'+'ut','w').write('x')\"; "
+        "echo Z2l0IC0tdmVyc2lvbg== | base64 -d | sh >/dev/null"
+    )
+    result = sandbox.run(cmd, workspace)
+    assert result.exit_code == 0, result.stderr
+    prov = result.provenance
+    assert prov is not None and prov.complete
+    assert {"sub/x.py", ".mypy_cache/m.data.json"} <= set(prov.read)
+    assert "a.txt" in prov.deleted and "out" in prov.written
+    assert ["git", "--version"] in prov.processes
+    assert all(not p.startswith(str(workspace)) for p in prov.read)  # relative inside it
+
+
+@needs_bwrap
+def test_live_trace_is_out_of_the_commands_reach(workspace):
+    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    result = sandbox.run(
+        "cat /run/etude-provenance/trace; echo forged > /run/etude-provenance/trace; cat a.txt",
+        workspace,
+    )
+    prov = result.provenance
+    assert prov is not None and prov.complete
+    assert "a.txt" in prov.read  # the trace kept recording after the attempts
+    assert "/run/etude-provenance/trace" in prov.failed
+    assert BwrapSandbox(SandboxConfig(backend="bwrap")).run("true", workspace).provenance is None
+    if os.geteuid() != 0:
+        pytest.skip("as an ordinary user the tracer shares the command's uid (documented)")
