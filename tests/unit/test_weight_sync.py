@@ -116,9 +116,34 @@ def test_changed_bytes_counts_elements_bit_for_bit() -> None:
 def test_config_errors_name_the_setting() -> None:
     with pytest.raises(ValueError, match="rollout.sync.kind"):
         WeightSyncConfig(kind="nccl")
-    with pytest.raises(ValueError, match="rollout.sync.url"):
-        WeightSyncConfig(kind="http")
     with pytest.raises(ValueError, match="rollout.sync.keep"):
         WeightSyncConfig(kind="file", keep=1)
     with pytest.raises(ValueError, match="in_process"):
         build_weight_sync(WeightSyncConfig(), backend=None, model_config={}, run_dir=".")
+
+
+def test_file_sync_feeds_an_engine_backend(tmp_path) -> None:
+    policy, cfg = tiny_model(0)
+    backend = EngineBackend(Engine(tiny_model(1)[0]))
+    sync = build_weight_sync(
+        WeightSyncConfig(kind="file"), backend=backend, model_config={}, run_dir=tmp_path
+    )
+    perturb(policy)
+    record = sync.push(policy, 5)
+    assert backend.policy_version == 5 and record.seconds > 0
+    assert (tmp_path / "weights" / "v000005" / "model.safetensors").is_file()
+    ids = torch.randint(0, 64, (1, 10))
+    assert torch.equal(logits(policy, ids), logits(backend.engine.model, ids))
+
+
+def test_rollout_settings_that_do_not_fit_together() -> None:
+    from etude.rl.rollout import RolloutConfig
+
+    with pytest.raises(ValueError, match="rollout.sync.kind='http'"):
+        RolloutConfig(server_url="http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match="rollout.server_url"):
+        RolloutConfig(sync=WeightSyncConfig(kind="http"))
+    with pytest.raises(ValueError, match="rollout.max_staleness"):
+        RolloutConfig(max_staleness=-1)
+    with pytest.raises(ValueError, match="rollout.workers"):
+        RolloutConfig(workers="k8s")

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from etude.engine import Engine, SamplingParams
 from etude.engine.backends import EngineBackend, GenerationRequest, InferenceBackend
 from etude.engine.engine import derive_seed
 from etude.env.pool import EnvPool
 from etude.env.trajectory import Trajectory
+from etude.rl.weight_sync import WeightSyncConfig
 from etude.tasks.record import TaskRecord
 
 
@@ -58,9 +59,45 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling mass (1 = off)."""
     num_workers: int = 4
-    """Threads running tool calls and reward runs."""
+    """Threads running tool calls and reward runs (per environment worker)."""
+    max_staleness: int = 0
+    """Steps a rollout batch may run ahead of the trainer (``etude.rl.pipeline``): step s's
+    batch starts once the policy version is >= s - max_staleness. 0 = on-policy (the
+    synchronous loop)."""
+    workers: str = "local"
+    """Where environments run: ``local`` (threads of the trainer's process) or ``ray`` (Ray
+    actors, ``etude.env.ray_pool``)."""
+    ray_workers: int = 2
+    """Environment workers (Ray actors) with ``workers = "ray"``."""
+    ray_address: str = ""
+    """Ray cluster to join ('' = start a local instance; ``auto`` = the one ``ray start`` made)."""
+    ray_num_cpus: int = 2
+    """CPUs of the local Ray instance (with ``ray_address = ""``)."""
+    server_url: str = ""
+    """Roll out through an OpenAI-compatible server (``etude serve``) at this URL instead of the
+    in-process engine ('' = in process); weights reach it by ``sync.kind = "http"``."""
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How new weights reach the rollout engine after each step (``[rollout.sync]``)."""
 
     def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(
+                f"rollout.max_staleness={self.max_staleness} must be >= 0 (0 = on-policy)"
+            )
+        if self.workers not in ("local", "ray"):
+            raise ValueError(f"rollout.workers={self.workers!r}: use 'local' or 'ray'")
+        if self.ray_workers < 1 or self.ray_num_cpus < 1:
+            raise ValueError("rollout.ray_workers and rollout.ray_num_cpus must be >= 1")
+        if self.server_url and self.sync.kind != "http":
+            raise ValueError(
+                f"rollout.server_url={self.server_url!r} rolls out through a server, which gets "
+                "new weights only over HTTP: set rollout.sync.kind='http'"
+            )
+        if self.sync.kind == "http" and not self.server_url:
+            raise ValueError(
+                "rollout.sync.kind='http' pushes weights to the rollout server: set "
+                "rollout.server_url (e.g. 'http://127.0.0.1:8000')"
+            )
         if self.tasks_per_step < 1:
             raise ValueError(f"rollout.tasks_per_step={self.tasks_per_step} must be >= 1")
         if self.group_size < 1:

@@ -11,12 +11,13 @@ Three ways, one interface (``push(model, version) -> SyncRecord``), chosen by
   sees the previous version or the whole new one, never half a file. Rollout workers on other
   processes or machines (a shared file system) poll it with ``FileWeightWatcher``. The newest
   ``keep`` versions stay on disk (a worker may still be reading the one before).
-- ``http``: the file sync, then ``POST URL/v1/weights/reload`` with ``{"path": ..., "version":
-  ...}`` to ``etude serve`` (the server loads the export and answers once the new weights are
-  live). The server and the trainer share the file system; the weights do not travel in the
-  request.
+- ``http``: the file sync, then the rollout backend's ``update_weights(path, version)``: for
+  ``etude serve`` a ``POST /v1/weights/reload`` with ``{"path": ..., "version": ...}`` (the
+  server loads the export and answers once the new weights are live). The server and the
+  trainer share the file system; the weights do not travel in the request.
 
-Every push is timed (``SyncRecord.seconds``: export, rename and reload acknowledged) and, with
+Every push is timed (``SyncRecord.seconds``: export, rename, and the engine's load or the
+server's acknowledged reload) and, with
 ``track_changes``, compared to the previous version: the fraction of bytes that changed
 (``changed_bytes / total_bytes``, element granularity: a parameter element whose value changed
 counts its whole size). That fraction is what a delta sync could save; Muon's dense orthogonal
@@ -39,8 +40,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,6 @@ from torch import Tensor, nn
 from etude.tasks.record import write_atomic
 
 SYNC_KINDS = ("in_process", "file", "http")
-RELOAD_PATH = "/v1/weights/reload"
 LATEST = "LATEST"
 
 
@@ -60,31 +58,20 @@ class WeightSyncConfig:
     """The ``[rollout.sync]`` section: how new weights reach the rollout engine."""
 
     kind: str = "in_process"
-    """``in_process`` (copy into the engine's module), ``file`` (safetensors + LATEST) or
-    ``http`` (file, then etude serve's reload endpoint)."""
+    """``in_process`` (copy into the engine's module), ``file`` (safetensors + LATEST, which the
+    engine loads) or ``http`` (file, then the rollout server's reload endpoint)."""
     directory: str = ""
     """Where ``file``/``http`` write versions ('' = RUN/weights)."""
-    url: str = ""
-    """``http``: base URL of the server (``http://127.0.0.1:8000``)."""
     keep: int = 2
     """``file``/``http``: versions kept on disk (>= 2: a reader may hold the previous one)."""
-    timeout_s: float = 120.0
-    """``http``: seconds to wait for the server to acknowledge a reload."""
     track_changes: bool = False
     """Measure the fraction of weight bytes that changed per push (keeps a CPU copy)."""
 
     def __post_init__(self) -> None:
         if self.kind not in SYNC_KINDS:
             raise ValueError(f"rollout.sync.kind={self.kind!r}: use one of {', '.join(SYNC_KINDS)}")
-        if self.kind == "http" and not self.url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"rollout.sync.url={self.url!r}: the http sync needs the server's base URL, "
-                "e.g. rollout.sync.url='http://127.0.0.1:8000'"
-            )
         if self.keep < 2:
             raise ValueError(f"rollout.sync.keep={self.keep} must be >= 2")
-        if not self.timeout_s > 0:
-            raise ValueError(f"rollout.sync.timeout_s={self.timeout_s} must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,7 +103,8 @@ def _rank() -> int:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter and buffer as a full CPU tensor (gathers DTensors: collective)."""
+    """Every parameter and buffer as a full CPU tensor (gathers DTensors: collective). On CPU an
+    unsharded model's tensors share storage with its parameters: clone to keep a snapshot."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(
@@ -210,10 +198,14 @@ class FileSync:
         *,
         keep: int = 2,
         track_changes: bool = False,
+        backend: Any = None,
     ) -> None:
         self.directory = Path(directory)
         self.model_config = model_config
         self.keep = keep
+        self.backend = backend
+        """Told to load each version (``update_weights(path, version)``) once it is written:
+        the in-process engine reads the file, an HTTP backend asks its server to."""
         self._meter = ChangeMeter() if track_changes else None
 
     def write(self, model: nn.Module, version: int) -> tuple[Path | None, int, int | None]:
@@ -250,55 +242,21 @@ class FileSync:
             shutil.rmtree(old, ignore_errors=True)
 
     def push(self, model: nn.Module, version: int) -> SyncRecord:
+        """Write ``version``; then the backend (if any) loads it, on every rank."""
         start = time.perf_counter()
         _, total, changed = self.write(model, version)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # rank 0's files are complete before any rank reads them
+        if self.backend is not None:
+            path = (self.directory / version_dir_name(version)).resolve()
+            self.backend.update_weights(path, version)
         return SyncRecord(
             version=version,
             seconds=time.perf_counter() - start,
             total_bytes=total,
             changed_bytes=changed,
         )
-
-
-class HttpSync:
-    """The file sync, then a reload request to the server; done when the server has answered."""
-
-    def __init__(self, url: str, files: FileSync, *, timeout_s: float = 120.0) -> None:
-        self.url = url.rstrip("/") + RELOAD_PATH
-        self.files = files
-        self.timeout_s = timeout_s
-
-    def push(self, model: nn.Module, version: int) -> SyncRecord:
-        start = time.perf_counter()
-        path, total, changed = self.files.write(model, version)
-        if path is not None:
-            request_reload(self.url, path.resolve(), version, timeout_s=self.timeout_s)
-        return SyncRecord(
-            version=version,
-            seconds=time.perf_counter() - start,
-            total_bytes=total,
-            changed_bytes=changed,
-        )
-
-
-def request_reload(url: str, path: Path, version: int, *, timeout_s: float) -> dict[str, Any]:
-    """POST ``{"path", "version"}`` to a reload endpoint; the server's JSON answer.
-
-    A refused connection or a non-2xx answer is a ``RuntimeError`` naming the URL (the server is
-    infrastructure: the trainer stops rather than rolling out with stale weights unknowingly).
-    """
-    body = json.dumps({"path": str(path), "version": version}).encode()
-    request = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
-        raise RuntimeError(f"weight reload at {url} answered {e.code}: {detail}") from None
-    except (urllib.error.URLError, TimeoutError) as e:
-        raise RuntimeError(f"weight reload at {url} failed: {e}") from None
 
 
 def latest_version(directory: str | Path) -> tuple[int, Path] | None:
@@ -339,9 +297,9 @@ def build_weight_sync(
     backend: Any,
     model_config: dict[str, Any],
     run_dir: str | Path,
-) -> InProcessSync | FileSync | HttpSync:
-    """The sync ``cfg`` asks for (``backend``: the in-process ``EngineBackend``, needed by
-    ``in_process`` only)."""
+) -> InProcessSync | FileSync:
+    """The sync ``cfg`` asks for, feeding ``backend`` (the rollout engine: an ``EngineBackend``
+    in process, an ``HTTPBackend`` for a server)."""
     if cfg.kind == "in_process":
         if backend is None or not hasattr(backend, "engine"):
             raise ValueError(
@@ -349,8 +307,11 @@ def build_weight_sync(
                 "process; use 'file' or 'http' for rollout workers elsewhere"
             )
         return InProcessSync(backend, track_changes=cfg.track_changes)
+    if cfg.kind == "http" and hasattr(backend, "engine"):
+        raise ValueError(
+            "rollout.sync.kind='http' needs rollouts through a server: set rollout.server_url"
+        )
     directory = Path(cfg.directory) if cfg.directory else Path(run_dir) / "weights"
-    files = FileSync(directory, model_config, keep=cfg.keep, track_changes=cfg.track_changes)
-    if cfg.kind == "file":
-        return files
-    return HttpSync(cfg.url, files, timeout_s=cfg.timeout_s)
+    return FileSync(
+        directory, model_config, keep=cfg.keep, track_changes=cfg.track_changes, backend=backend
+    )
