@@ -12,8 +12,7 @@ ways, one after another in the same process, so the ratios are meaningful on a l
 - ``file``: ``FileSync`` (safetensors export, ``LATEST`` renamed atomically) and a reader that
   loads it (``FileWeightWatcher``), i.e. what a rollout worker on another process pays too;
 - ``http``: ``FileSync`` + ``POST /v1/weights/reload`` to an ``etude serve`` on 127.0.0.1,
-  acknowledged once the server holds the new weights (skipped with a note where
-  ``etude.serve`` is not installed).
+  acknowledged once the server holds the new weights (``HTTPBackend.update_weights``).
 
 Changed bytes: element by element, bit for bit, against the previous step's weights, in fp32
 (the trainer's weights) and cast to bf16 (what a bf16 inference server would receive: a small
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from etude.engine import Engine
-from etude.engine.backends import EngineBackend
+from etude.engine.backends import EngineBackend, HTTPBackend, HTTPBackendConfig
 from etude.model.config import ModelConfig
 from etude.model.transformer import build_model
 from etude.optim import OptimConfig, build_optimizer
@@ -79,13 +78,29 @@ def train_step(model, optimizer, cfg: ModelConfig, generator: torch.Generator) -
     optimizer.step()
 
 
-def start_server(export_dir: Path):
-    """An etude serve on 127.0.0.1 for the HTTP sync, or None where there is none."""
-    try:
-        from etude.serve.testing import start_test_server  # noqa: F401
-    except ImportError:
-        return None
-    return start_test_server(export_dir)
+class ServedPolicy:
+    """etude serve on 127.0.0.1 holding the run's weights, and the sync that reloads it."""
+
+    def __init__(self, model, cfg: ModelConfig, root: Path) -> None:
+        from etude.config import to_dict
+        from etude.model.tokenizer import train_default_tokenizer
+        from etude.parallel.checkpoint import export_safetensors
+        from etude.rl.server_process import ServerProcess
+
+        export_safetensors(model, root / "run" / "export", to_dict(cfg))
+        train_default_tokenizer(cfg.vocab_size).save(root / "run" / "tokenizer")
+        self.server = ServerProcess(root / "run", log_path=root / "serve.log")
+        self.backend = HTTPBackend(HTTPBackendConfig(url=self.server.url))
+        self.files = FileSync(root / "http-weights", to_dict(cfg), keep=2, backend=self.backend)
+
+    def push(self, model, version: int) -> float:
+        record = self.files.push(model, version)
+        assert self.backend.policy_version == version
+        return record.seconds
+
+    def close(self) -> None:
+        self.backend.close()
+        self.server.close()
 
 
 def run(size: str, optimizer_name: str, with_http: bool) -> dict[str, float]:
@@ -103,10 +118,7 @@ def run(size: str, optimizer_name: str, with_http: bool) -> dict[str, float]:
         files = FileSync(Path(tmp) / "weights", {"size": size}, keep=2)
         reader = copy.deepcopy(model)
         watcher = FileWeightWatcher(Path(tmp) / "weights")
-        server = None
-        if with_http:
-            files.write(model, 0)
-            server = start_server(Path(tmp) / "weights" / "v000000")
+        server = ServedPolicy(model, cfg, Path(tmp)) if with_http else None
         previous = {k: v.clone() for k, v in full_state_dict(model).items()}
         try:
             for step in range(1, STEPS + 1):
@@ -117,7 +129,7 @@ def run(size: str, optimizer_name: str, with_http: bool) -> dict[str, float]:
                 assert watcher.poll(reader) == step
                 out["file_read"].append(time.perf_counter() - t0)
                 if server is not None:
-                    out["http"].append(server.push(files, model, step))
+                    out["http"].append(server.push(model, step))
                 current = {k: v.clone() for k, v in full_state_dict(model).items()}
                 changed, total = changed_bytes(previous, current)
                 fractions["fp32"].append(changed / total)
@@ -152,13 +164,12 @@ def main() -> None:
             row = run(size, name, with_http=True)
             for key, value in row.items():
                 results[f"{size}_{name}_{key}"] = round(value, 6)
-            http = f"{row['http_s']:8.4f}" if "http_s" in row else f"{'-':>8}"
+            http = f"{row['http_s']:8.4f}"
             print(
                 f"{size:6} {name:6} {row['weight_mb']:7.2f} {row['in_process_s']:10.4f} "
                 f"{row['file_s']:8.4f} {row['file_read_s']:8.4f} {http} "
                 f"{row['changed_frac_fp32']:9.4f} {row['changed_frac_bf16']:9.4f}"
             )
-    results["http_measured"] = float(any(k.endswith("_http_s") for k in results))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(f"wrote {RESULTS}", file=sys.stderr)

@@ -17,6 +17,7 @@ error inside the worker (``OSError``, ``subprocess.SubprocessError``, ``RuntimeE
 ``ValueError`` (a bad task or setting) is raised as in ``EnvPool``. The trainer masks such
 episodes from group statistics and the loss (``is_infra_failure``) and counts them per step
 (``failures``: ``infra/episodes``, ``infra/worker_deaths``); none is ever scored 0.
+``is_infra_failure`` (re-exported from ``etude.env.trajectory``) tells them apart.
 
 Placement: with ``address = ""`` a local Ray instance is started (``num_cpus``); with ``"auto"``
 or ``ray://...`` the pool joins a cluster started by ``ray start --head`` (and ``ray start
@@ -43,16 +44,12 @@ from typing import Any
 import tokenizers
 
 from etude.env.coding import CodingEnv, EnvConfig
-from etude.env.trajectory import Trajectory, Turn
+from etude.env.trajectory import Trajectory, Turn, is_infra_failure
 from etude.model.tokenizer import Tokenizer
 from etude.tasks.record import TaskRecord
 
 INFRA_ERRORS = (OSError, subprocess.SubprocessError, RuntimeError, TimeoutError)
-
-
-def is_infra_failure(trajectory: Trajectory) -> bool:
-    """Whether an episode ended by an infrastructure failure (masked, never scored)."""
-    return bool(trajectory.info.get("infra"))
+__all__ = ["EnvWorker", "RayEnvPool", "RemoteEnv", "is_infra_failure"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -384,6 +381,10 @@ class RayEnvPool:
                 self._ray.get(ref, timeout=self.call_timeout_s)
             except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
                 pass  # a dead worker's episode directories died with it (or its node)
+
+    def in_flight(self) -> int:
+        """Episodes started (reset) and not yet released."""
+        return sum(1 for env in list(self._envs.values()) if env.state is not None)
 
     def take_failures(self) -> FailureCounts:
         """The failure counts since the last call (per step), reset to zero."""

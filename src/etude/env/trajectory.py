@@ -170,6 +170,13 @@ class Trajectory:
         return cls(turns=turns, flags=flags, feedback=feedback, **data)
 
 
+def is_infra_failure(trajectory: Trajectory) -> bool:
+    """Whether the episode ended by an infrastructure failure (a dead worker, a crashed sandbox):
+    ``info["infra"]`` names it. Such an episode has no reward; it is masked from group
+    statistics and the loss, and counted, never scored 0."""
+    return bool(trajectory.info.get("infra"))
+
+
 def write_jsonl(
     path: str | Path, trajectories: Iterable[Trajectory], *, append: bool = False
 ) -> None:

@@ -186,3 +186,53 @@ class RolloutPipeline(Generic[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------- the trainer's side
+
+
+def separate_engine_needed(cfg: Any, world_size: int) -> bool:
+    """Whether the rollout engine needs its own copy of the weights (``cfg``: the ``[rollout]``
+    section): under data parallelism (the policy is sharded), when batches run ahead of the
+    trainer (the policy changes while they generate), or when weights reach it by file."""
+    return world_size > 1 or cfg.max_staleness > 0 or cfg.sync.kind != "in_process"
+
+
+def make_env_pool(cfg: Any, env_cfg: Any, *, tokenizer: Any, base_dir: Any) -> Any:
+    """The environment pool ``cfg.workers`` asks for: threads here, or Ray actors."""
+    if cfg.workers == "ray":
+        from etude.env.ray_pool import RayEnvPool
+
+        return RayEnvPool(
+            env_cfg,
+            tokenizer=tokenizer,
+            base_dir=base_dir,
+            num_workers=cfg.ray_workers,
+            max_workers=cfg.num_workers,
+            address=cfg.ray_address,
+            num_cpus=cfg.ray_num_cpus,
+        )
+    from etude.env.pool import EnvPool
+
+    return EnvPool(env_cfg, tokenizer=tokenizer, base_dir=base_dir, max_workers=cfg.num_workers)
+
+
+def make_backend(cfg: Any, engine: Any) -> Any:
+    """The rollout backend: the in-process ``engine``, or the server at ``cfg.server_url``."""
+    from etude.engine.backends import EngineBackend, HTTPBackend, HTTPBackendConfig
+
+    if cfg.server_url:
+        return HTTPBackend(HTTPBackendConfig(url=cfg.server_url))
+    return EngineBackend(engine)
+
+
+def batch_metrics(
+    batch: PipelineBatch[Any], trajectories: Sequence[Trajectory]
+) -> dict[str, float]:
+    """The ``async/*`` metrics of the batch trained at ``batch.step``."""
+    return {
+        "async/wait_seconds": batch.wait_seconds,
+        "async/batch_seconds": batch.rollout_seconds,
+        "async/admitted_version": float(batch.admitted_version),
+        **staleness_stats(trajectories, batch.step),
+    }

@@ -26,10 +26,11 @@ updates and AdamW's per-element updates differ in it.
 Collective: under data parallelism every rank calls ``push`` (gathering sharded parameters is a
 collective); only rank 0 writes files and sends the request.
 
-vLLM: its OpenAI server has no public endpoint that takes a path of new weights; its documented
-ways to update weights are in the offline ``LLM`` object (``collective_rpc`` /
-``load_weights`` on the worker, used by RL frameworks through a Ray-colocated engine) and, in
-development mode, ``/collective_rpc``. ``docs/async-rl.md`` says which of these was tried here.
+vLLM (0.32): its documented RL weight-update interface (``/pause``,
+``/init_weight_transfer_engine``, ``/update_weights``, ``/finish_weight_update``, ``/resume``)
+moves tensors by NCCL or CUDA IPC, GPUs only; on CPU the development-mode ``/collective_rpc``
+with ``reload_weights`` reloads a checkpoint directory in place (``make test-vllm`` tries it;
+``docs/async-rl.md`` says what passed). Neither is wrapped here.
 
 Not here: NCCL broadcast of weights from trainer ranks to inference GPUs, delta (sparse) sync,
 quantized sync.
