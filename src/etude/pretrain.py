@@ -29,16 +29,19 @@ Legend: B sequences, T tokens per sequence, V vocabulary.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from etude.config import from_dict, to_dict
+from etude.config import to_dict
 from etude.model.config import ModelConfig
 from etude.optim import OptimConfig
 from etude.parallel.dims import ParallelConfig
+from etude.runtime import all_reduce_sum, init_distributed, resolve_model_config
+from etude.runtime import lr_factor as schedule_factor
+
+__all__ = ["all_reduce_sum", "init_distributed", "resolve_model_config", "run_pretrain"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,20 +131,15 @@ class PretrainConfig:
         return resolve_model_config(self.model)
 
 
-def resolve_model_config(section: dict[str, Any]) -> ModelConfig:
-    """``{"preset": "tiny", "dim": 96}`` -> a checked ModelConfig (unknown keys are errors)."""
-    section = dict(section)
-    preset = section.pop("preset", "tiny")
-    base = to_dict(ModelConfig.preset(preset))
-    return from_dict(ModelConfig, {**base, **section}, "model")
-
-
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Warmup then cosine decay; ``step`` counts from 0."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    """Warmup then cosine decay; ``step`` counts from 0 (``etude.runtime.lr_factor``)."""
+    return schedule_factor(
+        step,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=cfg.steps,
+        schedule="cosine",
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
 
 
 def _corpus(cfg: DataConfig) -> list[str]:
@@ -248,42 +246,6 @@ def sharded_next_token_loss(
         if backward:
             loss.backward()
     return loss.detach()
-
-
-def all_reduce_sum(value):
-    """Sum a scalar tensor over all ranks (identity without a process group)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-    return value
-
-
-def init_distributed(device_setting: str):
-    """Join torchrun's process group when launched with WORLD_SIZE > 1.
-
-    Returns ``(device, rank, world_size)``. gloo on CPU, nccl on CUDA (one GPU per process,
-    ``LOCAL_RANK``). Without torchrun's environment: ``(device, 0, 1)`` and no process group.
-    """
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    use_cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        return torch.device("cuda" if use_cuda else "cpu"), 0, 1
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    return device, dist.get_rank(), dist.get_world_size()
 
 
 def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:

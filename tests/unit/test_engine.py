@@ -40,13 +40,23 @@ def model() -> Transformer:
     return engine_model()
 
 
-def full_forward_logprobs(model, prompt, generated, temperature):
-    """What the RL trainer computes: one teacher-forced forward over prompt + generation."""
+def full_forward_logprobs(model, prompt, generated, temperature, top_k=0, top_p=1.0):
+    """What the RL trainer computes: one teacher-forced forward over prompt + generation, under
+    the distribution sampled (temperature, then top-k / top-p, renormalized)."""
     ids = torch.tensor([prompt + generated])
     with torch.no_grad():
         logits = model(ids)[0, len(prompt) - 1 : -1]
     scale = temperature if temperature > 0 else 1.0
     logprobs = torch.log_softmax(logits / scale, dim=-1)
+    if temperature > 0 and (top_k > 0 or top_p < 1.0):
+        sorted_p, order = logprobs.exp().sort(dim=-1, descending=True)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        if top_k > 0:
+            keep[:, top_k:] = False
+        keep &= (sorted_p.cumsum(-1) - sorted_p) < top_p
+        mask = torch.zeros_like(keep).scatter(1, order, keep)
+        kept = logprobs.masked_fill(~mask, float("-inf"))
+        logprobs = kept - torch.logsumexp(kept, dim=-1, keepdim=True)
     return logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0]
 
 
@@ -111,7 +121,9 @@ def test_engine_logprobs_equal_full_forward_on_ragged_batch(model, params):
     for prompt, gen in zip(PROMPTS, generations):
         assert isinstance(gen, Generation)
         assert len(gen.token_ids) == len(gen.logprobs) == 12 and gen.finish_reason == "length"
-        want = full_forward_logprobs(model, prompt, gen.token_ids, params.temperature)
+        want = full_forward_logprobs(
+            model, prompt, gen.token_ids, params.temperature, params.top_k, params.top_p
+        )
         torch.testing.assert_close(torch.tensor(gen.logprobs), want, atol=1e-5, rtol=0)
 
 
@@ -237,12 +249,14 @@ def test_sampling_follows_the_distribution():
     torch.testing.assert_close(logprobs, probs.log()[tokens])
 
 
-def test_truncated_sampling_stays_in_the_kept_set_with_untruncated_logprobs():
+def test_truncated_sampling_stays_in_the_kept_set_with_truncated_logprobs():
+    # the behaviour logprob is that of the distribution sampled: renormalized over the top 3
     torch.manual_seed(0)
     logits = torch.randn(64, 50)
     params = SamplingParams(max_new_tokens=1, temperature=0.5, top_k=3, seed=0)
     tokens, logprobs = sample_tokens(logits, params, torch.Generator().manual_seed(1))
     top3 = logits.topk(3).indices
     assert (top3 == tokens[:, None]).any(-1).all()
-    want = torch.log_softmax(logits / 0.5, dim=-1).gather(1, tokens[:, None])[:, 0]
+    full = torch.log_softmax(logits / 0.5, dim=-1)
+    want = full.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(full.gather(1, top3), -1)
     torch.testing.assert_close(logprobs, want)

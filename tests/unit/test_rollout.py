@@ -149,7 +149,6 @@ def test_policy_loss_at_ratio_one(model) -> None:
         rl=RLConfig(),
         teacher_cfg=TeacherConfig(),
         num_tokens=20,
-        num_hinted_tokens=0,
         reference=None,
         device=torch.device("cpu"),
         sums=sums,

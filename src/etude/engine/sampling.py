@@ -2,10 +2,12 @@
 
 The math is pure functions over one decode step's logits [B, V]:
 
-- ``token_logprobs``: the logprob the engine reports, ``log_softmax(logits / temperature)`` of
-  the sampled token (temperature 1 when greedy), taken BEFORE top-k/top-p truncation. This is
-  what the RL trainer recomputes from a full forward of prompt + generation, so importance
-  ratios compare like with like.
+- ``sampling_logprobs``: the log-probabilities of the distribution actually sampled: logits
+  divided by the temperature, top-k then top-p truncation, renormalized over the kept tokens
+  (``-inf`` outside them). The RL trainer applies this same transform to the logits of its full
+  forward (``etude.rl.trainer``), so importance ratios compare like with like.
+- ``token_logprobs``: that distribution's logprob at the sampled token, which the engine reports
+  as the behaviour logprob (temperature 1 when greedy, no truncation).
 - ``truncate_probs``: top-k then top-p (nucleus, Holtzman et al. 2019, arXiv:1904.09751)
   filtering; the kept probabilities are not renormalized (sampling below does not need it).
 - ``sample_tokens``: the exponential race ``argmax_v p_v / e_v`` with ``e_v ~ Exp(1)``, which
@@ -90,7 +92,8 @@ class Generation:
     token_ids: list[int]
     """Generated token ids (prompt excluded; a stop token, if any, included)."""
     logprobs: list[float]
-    """Per generated token: log_softmax(logits / temperature) before top-k/top-p truncation."""
+    """Per generated token: its logprob under the distribution sampled (``sampling_logprobs``:
+    after temperature and top-k/top-p truncation, renormalized)."""
     finish_reason: Literal["stop", "length"]
     """"stop": a stop token or stop string ended it; "length": the token budget did."""
     stop: int | str | None = None
@@ -100,10 +103,37 @@ class Generation:
     between decode steps, so later tokens may come from a newer version)."""
 
 
-def token_logprobs(logits_BV: Tensor, tokens_B: Tensor, temperature: float) -> Tensor:
-    """fp32 log_softmax(logits / temperature) at ``tokens_B`` [B]; temperature 0 counts as 1."""
+def sampling_logprobs(
+    logits_NV: Tensor, temperature: float, *, top_k: int = 0, top_p: float = 1.0
+) -> Tensor:
+    """fp32 log-probabilities [N, V] of the distribution sampled from ``logits_NV``.
+
+    ``log_softmax(logits / temperature)`` (temperature 0 counts as 1), then the tokens outside
+    the top-k / top-p nucleus (``truncate_probs``' rule) get ``-inf`` and the kept ones are
+    renormalized. Differentiable in the kept logits; the kept set itself is a discrete choice.
+    """
     scale = temperature if temperature > 0 else 1.0
-    logprobs_BV = torch.log_softmax(logits_BV.float() / scale, dim=-1)
+    logp_NV = torch.log_softmax(logits_NV.float() / scale, dim=-1)
+    if top_k <= 0 and top_p >= 1.0:
+        return logp_NV
+    with torch.no_grad():
+        keep_NV = truncate_probs(logp_NV.exp(), top_k=top_k, top_p=top_p) > 0
+        # the most likely token is always kept, even if its probability underflows to 0
+        keep_NV.scatter_(1, logp_NV.argmax(dim=-1, keepdim=True), True)
+    kept_NV = logp_NV.masked_fill(~keep_NV, float("-inf"))
+    return kept_NV - torch.logsumexp(kept_NV, dim=-1, keepdim=True)
+
+
+def token_logprobs(
+    logits_BV: Tensor,
+    tokens_B: Tensor,
+    temperature: float,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tensor:
+    """fp32 logprob [B] of ``tokens_B`` under the sampled distribution (``sampling_logprobs``)."""
+    logprobs_BV = sampling_logprobs(logits_BV, temperature, top_k=top_k, top_p=top_p)
     return logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
 
 
@@ -133,11 +163,13 @@ def sample_tokens(
     if params.greedy:
         tokens_B = logits_BV.argmax(dim=-1)
         return tokens_B, token_logprobs(logits_BV, tokens_B, 0.0)
-    probs_BV = torch.softmax(logits_BV.float() / params.temperature, dim=-1)
-    probs_BV = truncate_probs(probs_BV, top_k=params.top_k, top_p=params.top_p)
+    logp_BV = sampling_logprobs(
+        logits_BV, params.temperature, top_k=params.top_k, top_p=params.top_p
+    )
+    probs_BV = logp_BV.exp()  # zero outside the top-k / top-p set
     # exponential race: argmax p/e with e ~ Exp(1) samples v with probability p_v / sum(p)
     race_BV = torch.empty_like(probs_BV).exponential_(generator=generator)
     # a draw of exactly 0 would turn a truncated token's 0/0 into NaN, which argmax picks
     race_BV.clamp_(min=torch.finfo(race_BV.dtype).tiny)
     tokens_B = (probs_BV / race_BV).argmax(dim=-1)
-    return tokens_B, token_logprobs(logits_BV, tokens_B, params.temperature)
+    return tokens_B, logp_BV.gather(1, tokens_B[:, None])[:, 0]

@@ -1,9 +1,13 @@
 """RL losses as pure functions: token-level PPO-clip and the text-feedback distillation KL.
 
-Policy loss (DESIGN.md "RL loss"): token-level PPO-clip (Schulman et al. 2017) with separate
-low/high clip ranges ("clip-higher", Yu et al. 2025, DAPO), the importance ratio taken against the
-behavior logprobs the engine recorded while sampling, and a token-mean over every trainable token
-of the batch (so long and short trajectories weigh per token, DAPO's token-level loss).
+Policy loss (docs/architecture.md "RL loss"): token-level PPO-clip (Schulman et al. 2017) with
+separate low/high clip ranges ("clip-higher", Yu et al. 2025, DAPO), the importance ratio taken
+against the behavior logprobs the engine recorded while sampling, and a token-mean over every
+trainable token of the batch (so long and short trajectories weigh per token, DAPO's token-level
+loss). Two guards keep one stale or off-support token from wrecking a step: the log-ratio is
+clamped to ``[-max_log_ratio, max_log_ratio]`` before the exponential (so ``0 * inf`` can not
+make the loss NaN), and a negative advantage's loss is bounded by ``dual_clip * |A|`` (dual-clip
+PPO, Ye et al. 2020, arXiv:1912.09729), where plain PPO-clip leaves ``-A * ratio`` unbounded.
 
 Text-feedback KL: on a hinted turn, the same model with the hint spliced into its context is the
 teacher; the KL between the student's next-token distribution (original context) and the
@@ -43,20 +47,32 @@ def ppo_clip_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     num_tokens: int | None = None,
+    max_log_ratio: float = 10.0,
+    dual_clip: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip loss, token-mean over ``mask``; returns (loss, stats).
 
     ``num_tokens`` overrides the normalizer (the trainer passes the token count of the whole
     batch when it accumulates minibatches, so that the sum over minibatches is the batch mean).
+    ``max_log_ratio`` clamps the log importance ratio; ``dual_clip`` (> 1; 0 = off) bounds the
+    loss of a negative-advantage token at ``dual_clip * |A|``.
     """
-    mask_N = mask_N.float()
-    log_ratio_N = (logprobs_N.float() - behavior_logprobs_N.float()) * mask_N
+    keep_N = mask_N.bool()
+    mask_N = keep_N.float()
+    diff_N = logprobs_N.float() - behavior_logprobs_N.float()
+    # where, not multiply: an infinite difference outside the mask must not become 0 * inf
+    log_ratio_N = torch.where(keep_N, diff_N, torch.zeros_like(diff_N))
+    log_ratio_N = log_ratio_N.clamp(-max_log_ratio, max_log_ratio)
     ratio_N = torch.exp(log_ratio_N)
+    advantages_N = advantages_N.float()
     unclipped_N = -advantages_N * ratio_N
     clipped_N = -advantages_N * torch.clamp(ratio_N, 1.0 - clip_low, 1.0 + clip_high)
     loss_N = torch.maximum(unclipped_N, clipped_N)
+    if dual_clip > 0:
+        bound_N = -advantages_N * dual_clip  # = dual_clip * |A| where A < 0
+        loss_N = torch.where(advantages_N < 0, torch.minimum(loss_N, bound_N), loss_N)
     denom = float(max(num_tokens, 1)) if num_tokens is not None else mask_N.sum().clamp(min=1.0)
-    loss = (loss_N * mask_N).sum() / denom
+    loss = torch.where(keep_N, loss_N, torch.zeros_like(loss_N)).sum() / denom
     with torch.no_grad():
         n = mask_N.sum().clamp(min=1.0)
         stats = {
@@ -67,10 +83,16 @@ def ppo_clip_loss(
     return loss, stats
 
 
-def token_entropy(logits_NV: torch.Tensor) -> torch.Tensor:
-    """Entropy of each row's softmax, float32 [N]."""
-    logp_NV = torch.log_softmax(logits_NV.float(), dim=-1)
+def token_entropy(logits_NV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of each row's ``softmax(logits / temperature)``, float32 [N]."""
+    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
     return -(logp_NV.exp() * logp_NV).sum(-1)
+
+
+def logprob_entropy(logp_NV: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row of log-probabilities that may hold ``-inf`` (truncated), fp32 [N]."""
+    p_NV = logp_NV.exp()
+    return -torch.where(p_NV > 0, p_NV * logp_NV, torch.zeros_like(p_NV)).sum(-1)
 
 
 def _topk_with_tail(logp_NV: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ server (``HTTPBackend``: etude serve, vLLM, SGLang). Each request carries the ep
 id, so a server can keep an episode's prefix where it is cached.
 
 Per token the trajectory keeps the id, the trainable mask (1 on generated ids only) and the
-behavior logprob (as the backend reports it); per turn its ids, calls and typed errors
+behavior logprob (as the backend reports it: the logprob under the distribution sampled, after
+temperature and top-k/top-p); per turn its ids, calls and typed errors
 (``etude.env.trajectory``). ``info`` records the group, the sample, the policy step, the
 generated token count and the policy versions that generated the episode.
 
@@ -58,6 +59,8 @@ class RolloutConfig:
     """Sampling temperature (> 0: the importance ratio needs the sampling distribution)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Sample among the top_k most likely tokens only (0 = off)."""
     num_workers: int = 4
     """Threads running tool calls and reward runs (per environment worker)."""
     max_staleness: int = 0
@@ -113,6 +116,8 @@ class RolloutConfig:
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must lie in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k={self.top_k} must be >= 0 (0 = off)")
         if self.num_workers < 1:
             raise ValueError(f"rollout.num_workers={self.num_workers} must be >= 1")
 
@@ -189,6 +194,7 @@ def collect_rollouts(
                     max_new_tokens=max(1, min(cfg.max_new_tokens, env.tokens_left)),
                     temperature=cfg.temperature,
                     top_p=cfg.top_p,
+                    top_k=cfg.top_k,
                     stop_token_ids=(tokenizer.im_end_id,),
                     seed=derive_seed(group_seed, sample),
                 )

@@ -18,7 +18,8 @@ Data: ``data.episodes_per_task`` oracle episodes per task (seeds 0..n-1), cached
 ``data.max_seq_len`` tokens (the model never sees longer contexts in the short RL episodes).
 Batches are drawn from (seed, step); checkpoints and resume as in ``etude.pretrain``.
 
-The helpers `init_distributed`, `resolve_device` and `load_policy` are shared with the RL trainer.
+`load_policy` is shared with the RL trainer; the run plumbing (process group, device, LR
+schedule, model section) is ``etude.runtime``.
 
 Not here: packing, a validation split, real (non-oracle) demonstrations.
 
@@ -27,8 +28,6 @@ Legend: B examples per batch, T tokens, V vocabulary.
 
 from __future__ import annotations
 
-import math
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -49,6 +48,9 @@ from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
 from etude.optim import OptimConfig
 from etude.rl.feedback import FeedbackConfig, build_detectors, detect_feedback
 from etude.rl.teacher import hint_message_ids
+from etude.runtime import init_distributed, lr_factor, resolve_device, resolve_model_config
+
+__all__ = ["init_distributed", "load_policy", "resolve_device", "run_sft"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,26 +145,6 @@ class SFTRecipe:
 # ---------------------------------------------------------------- shared with the RL trainer
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the torchrun process group when launched by torchrun; (rank, world size)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("train.device='cuda' but no CUDA device is available; use cpu or auto")
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def load_policy(
     init: str, model_section: dict[str, Any], run_dir: Path, *, device: torch.device, seed: int
 ) -> tuple[nn.Module, Tokenizer, ModelConfig]:
@@ -175,7 +157,6 @@ def load_policy(
     from etude.model.tokenizer import train_default_tokenizer
     from etude.model.transformer import build_model
     from etude.parallel.checkpoint import load_safetensors
-    from etude.pretrain import resolve_model_config
 
     if init.startswith("hf:"):
         from etude.parallel.checkpoint import load_hf_policy
@@ -368,10 +349,13 @@ def hint_preference(
 
 
 def _lr_factor(step: int, cfg: SFTTrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return lr_factor(
+        step,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=cfg.steps,
+        schedule="cosine",
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
 
 
 def run_sft(cfg: SFTRecipe) -> dict[str, float]:
@@ -394,10 +378,9 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
     )
 
     tc = cfg.train
-    rank, world_size = init_distributed()
+    device, rank, world_size = init_distributed(tc.device)
     if world_size > 1:
         raise ValueError("etude sft runs in one process; launch it without torchrun")
-    device = resolve_device(tc.device)
     run_dir = prepare_run_dir(tc.run_dir, to_dict(cfg))
     torch.manual_seed(tc.seed)
     model, tok, mcfg = load_policy("", cfg.model, run_dir, device=device, seed=tc.seed)

@@ -209,14 +209,17 @@ def feedback_kl_loss(
     kind: str = "reverse",
     topk: int = 0,
     num_tokens: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """KL loss of the hinted turns of one minibatch, and the per-token KL [N] (detached).
 
     ``rows[k]`` is the minibatch row holding ``hinted[k]``'s trajectory. The student's logits
-    for a target at index t are those at t - 1 of its own (unhinted) sequence. The loss is the
-    sum of the per-token KL over every hinted target divided by ``num_tokens`` (the hinted
-    targets of the whole batch, so minibatches add up to the batch mean; default: these).
-    No other position of the minibatch enters the loss.
+    for a target at index t are those at t - 1 of its own (unhinted) sequence. Both students'
+    and teachers' logits are divided by ``temperature`` (the rollout's: the KL compares the
+    distributions the policy samples from). The loss is the sum of the per-token KL over every
+    hinted target divided by ``num_tokens`` (the trainer passes the same token count that
+    normalizes the PPO term, so ``beta`` weighs a hinted token against a PPO token the same way
+    at every step; default: the hinted targets here). No other position enters the loss.
     """
     assert len(hinted) == len(teachers) == len(rows)
     if not hinted:
@@ -229,6 +232,9 @@ def feedback_kl_loss(
         if teacher is not None:
             assert teacher.shape == student_NV.shape, (teacher.shape, student_NV.shape)
             teacher = teacher.to(student_NV.device)
+        if temperature != 1.0:
+            student_NV = student_NV / temperature
+            teacher = None if teacher is None else teacher / temperature
         pieces.append(hinted_kl(student_NV, teacher, kind=kind, topk=topk))
     kl_N = torch.cat(pieces)
     denom = float(max(num_tokens, 1)) if num_tokens is not None else float(max(len(kl_N), 1))
@@ -281,7 +287,12 @@ class TeacherWeights:
 
     @torch.no_grad()
     def update(self, policy: nn.Module) -> None:
-        """After an optimizer step: EMA toward ``policy`` (collective if it is sharded)."""
+        """After an optimizer step: EMA toward ``policy`` (collective if it is sharded).
+
+        Parameters and the persistent floating-point buffers (the MoE routers' ``expert_bias``)
+        are averaged, so the teacher routes tokens as an average policy would; non-persistent
+        buffers (load counters) are left alone.
+        """
         if self.cfg.source != "ema":
             return
         assert self._copy is not None
@@ -289,6 +300,17 @@ class TeacherWeights:
         mine = dict(self._copy.named_parameters())
         for name, p in policy.named_parameters():
             mine[name].lerp_(_full(p.detach()).to(mine[name].dtype), 1.0 - decay)
+        persistent = set(self._copy.state_dict())
+        my_buffers = dict(self._copy.named_buffers())
+        for name, b in policy.named_buffers():
+            mine_b = my_buffers.get(name)
+            if mine_b is None or name not in persistent:
+                continue
+            value = _full(b.detach()).to(mine_b.dtype)
+            if mine_b.is_floating_point():
+                mine_b.lerp_(value, 1.0 - decay)
+            else:
+                mine_b.copy_(value)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.cfg.source != "ema" else self.module.state_dict()

@@ -49,20 +49,21 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from etude.config import to_dict
+from etude.engine.sampling import sampling_logprobs
 from etude.env.coding import EnvConfig
 from etude.env.trajectory import ERROR_KINDS, Trajectory, write_jsonl
 from etude.monitor.hook import MonitorConfig
 from etude.optim import OptimConfig
 from etude.rl.advantages import group_advantages
 from etude.rl.feedback import FeedbackConfig, apply_detectors, build_detectors
-from etude.rl.losses import ppo_clip_loss, token_entropy
+from etude.rl.losses import logprob_entropy, ppo_clip_loss
 from etude.rl.rollout import RolloutConfig
 from etude.rl.teacher import (
     HintedTurn,
@@ -73,6 +74,7 @@ from etude.rl.teacher import (
     feedback_kl_loss,
     teacher_logits,
 )
+from etude.runtime import all_reduce_sum, init_distributed, lr_factor, world
 from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.curriculum import CurriculumConfig, TaskPool
 from etude.tasks.record import TaskRecord
@@ -131,6 +133,15 @@ class RLConfig:
     """Trajectories per forward/backward (gradient accumulation inside a minibatch)."""
     ref_kl_coef: float = 0.0
     """Weight of a KL to the initial policy on every trainable token (0 = off)."""
+    max_log_ratio: float = 10.0
+    """Clamp of the log importance ratio (a stale or off-support token can not make the loss
+    NaN or the step huge)."""
+    dual_clip: float = 3.0
+    """Bound of a negative-advantage token's loss at ``dual_clip * |A|`` (dual-clip PPO; 0 = off,
+    else > 1)."""
+    update_without_signal: bool = False
+    """Take the optimizer step (weight decay, momentum, MoE bias balance) also when the batch
+    carries no gradient signal (all advantages zero or dropped, no hint, no reference KL)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1:
@@ -141,6 +152,10 @@ class RLConfig:
             raise ValueError("rl.num_minibatches and rl.micro_batch_size must be >= 1")
         if not self.ref_kl_coef >= 0:
             raise ValueError(f"rl.ref_kl_coef={self.ref_kl_coef} must be >= 0 (0 = off)")
+        if not self.max_log_ratio > 0:
+            raise ValueError(f"rl.max_log_ratio={self.max_log_ratio} must be > 0, e.g. 10")
+        if self.dual_clip != 0 and not self.dual_clip > 1:
+            raise ValueError(f"rl.dual_clip={self.dual_clip} must be > 1 (e.g. 3) or 0 (off)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,7 +169,9 @@ class TrainConfig:
     seed: int = 0
     """Seeds task draws, sampling and (without init) weight init."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup, then constant."""
+    """Linear learning-rate warmup, then ``lr_schedule``."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: ``constant``, or ``cosine`` decay to 0 at ``steps``."""
     grad_clip: float = 1.0
     """Max global gradient norm; 0 turns clipping off."""
     log_every: int = 1
@@ -177,6 +194,8 @@ class TrainConfig:
             raise ValueError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
         if self.log_every < 1 or self.checkpoint_every < 1:
             raise ValueError("train.log_every and train.checkpoint_every must be >= 1")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}: use constant or cosine")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}: use auto, cpu or cuda")
         if self.init.startswith("hf:"):
@@ -210,22 +229,6 @@ class TrainRecipe:
 
 
 # ---------------------------------------------------------------- data parallel
-
-
-def world() -> tuple[int, int]:
-    """(rank, world size); (0, 1) without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum each value over ranks (identity in one process)."""
-    if world()[1] == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def shard_policy(model: nn.Module) -> None:
@@ -394,11 +397,21 @@ def collate(rows: Sequence[Row], device: torch.device) -> dict[str, Tensor]:
     }
 
 
-def token_logprobs(logits_BTV: Tensor, ids_BT: Tensor) -> Tensor:
-    """log p(ids[t] | ids[<t]) at t >= 1, fp32 [B, T-1] (from the logits at t - 1)."""
-    logits_BTV = logits_BTV[:, :-1].float()
-    picked_BT = logits_BTV.gather(-1, ids_BT[:, 1:, None])[..., 0]
-    return picked_BT - torch.logsumexp(logits_BTV, dim=-1)
+def token_logprobs(
+    logits_BTV: Tensor,
+    ids_BT: Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tensor:
+    """log p(ids[t] | ids[<t]) at t >= 1, fp32 [B, T-1] (from the logits at t - 1), under the
+    distribution the engine samples with these settings (``etude.engine.sampling``)."""
+    B, T, V = logits_BTV.shape
+    logp_NV = sampling_logprobs(
+        logits_BTV[:, :-1].reshape(-1, V), temperature, top_k=top_k, top_p=top_p
+    )
+    return logp_NV.gather(-1, ids_BT[:, 1:].reshape(-1, 1)).view(B, T - 1)
 
 
 def trajectory_advantages(
@@ -436,21 +449,32 @@ def minibatch_loss(
     rl: RLConfig,
     teacher_cfg: TeacherConfig,
     num_tokens: int,
-    num_hinted_tokens: int,
     reference: nn.Module | None,
     device: torch.device,
     sums: StepSums,
+    rollout: RolloutConfig | None = None,
+    kl_values: dict[tuple[int, int], list[float]] | None = None,
 ) -> Tensor:
     """Loss of one micro-batch: PPO-clip + beta * hinted KL (+ ref KL); sums updated.
 
-    ``num_tokens`` / ``num_hinted_tokens``: trainable / hinted target tokens of the whole
-    minibatch on all ranks (the normalizers). ``hint_rows[k]``: row of ``hinted[k]`` in ``rows``.
+    ``num_tokens``: the loss-carrying tokens of the whole minibatch on all ranks (trainable
+    tokens of kept rows plus hinted targets of dropped rows): the one normalizer of every term,
+    so that ``beta`` weighs a hinted token against a PPO token the same way at every step.
+    ``hint_rows[k]``: row of ``hinted[k]`` in ``rows``. ``rollout``: the sampling settings
+    (temperature, top-p, top-k) whose transform the recomputed logprobs, the entropy and the KL
+    apply (default: plain softmax). ``kl_values`` receives each hinted turn's per-token KL under
+    the key (trajectory index, turn index).
     """
+    temperature = rollout.temperature if rollout is not None else 1.0
+    top_p = rollout.top_p if rollout is not None else 1.0
+    top_k = rollout.top_k if rollout is not None else 0
     batch = collate(rows, device)
     logits_BTV = model(batch["ids_BT"])
-    logp_BT = token_logprobs(logits_BTV, batch["ids_BT"])
     mask_BT = batch["mask_BT"][:, 1:]
-    logp_N = logp_BT[mask_BT]
+    # the sampled distribution of every trainable position: temperature, then top-k / top-p
+    logp_NV = sampling_logprobs(logits_BTV[:, :-1][mask_BT], temperature, top_k=top_k, top_p=top_p)
+    targets_N = batch["ids_BT"][:, 1:][mask_BT]
+    logp_N = logp_NV.gather(-1, targets_N[:, None])[:, 0]
     behavior_N = batch["behavior_BT"][:, 1:][mask_BT]
     adv_N = batch["adv_BT"][:, 1:][mask_BT]
     ones_N = torch.ones_like(logp_N)
@@ -462,10 +486,12 @@ def minibatch_loss(
         clip_low=rl.clip_low,
         clip_high=rl.clip_high,
         num_tokens=num_tokens,
+        max_log_ratio=rl.max_log_ratio,
+        dual_clip=rl.dual_clip,
     )
     n = float(len(logp_N))
     with torch.no_grad():
-        entropy_N = token_entropy(logits_BTV[:, :-1][mask_BT])
+        entropy_N = logprob_entropy(logp_NV)
     sums.add(
         pg_loss=pg_loss.item(),
         tokens=n,
@@ -483,15 +509,25 @@ def minibatch_loss(
             hint_rows,
             kind=teacher_cfg.kl_kind,
             topk=teacher_cfg.topk,
-            num_tokens=num_hinted_tokens,
+            num_tokens=num_tokens,
+            temperature=temperature,
         )
         loss = loss + teacher_cfg.beta * kl_loss
         sums.add(kl_loss=kl_loss.item(), kl_sum=float(kl_N.sum()), kl_tokens=len(kl_N))
+        if kl_values is not None:
+            start = 0
+            for h in hinted:
+                end = start + len(h.student_targets)
+                kl_values[(h.row, h.turn)] = [round(float(v), 6) for v in kl_N[start:end]]
+                start = end
     if reference is not None and rl.ref_kl_coef > 0:
         with torch.no_grad():
-            ref_logp_N = token_logprobs(reference(batch["ids_BT"]), batch["ids_BT"])[mask_BT]
+            ref_logits_NV = reference(batch["ids_BT"])[:, :-1][mask_BT]
+            ref_logp_N = sampling_logprobs(
+                ref_logits_NV, temperature, top_k=top_k, top_p=top_p
+            ).gather(-1, targets_N[:, None])[:, 0]
         # k3 estimator of KL(policy || reference) on sampled tokens (Schulman 2020, "Approximating KL")
-        log_r_N = ref_logp_N - logp_N
+        log_r_N = (ref_logp_N - logp_N).clamp(-rl.max_log_ratio, rl.max_log_ratio)
         ref_kl_N = torch.exp(log_r_N) - log_r_N - 1
         ref_loss = ref_kl_N.sum() / float(max(num_tokens, 1))
         loss = loss + rl.ref_kl_coef * ref_loss
@@ -499,7 +535,7 @@ def minibatch_loss(
     return loss
 
 
-# ---------------------------------------------------------------- the run
+# ---------------------------------------------------------------- the run, stage by stage
 
 
 def _error_rates(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -511,7 +547,502 @@ def _error_rates(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def _lr_factor(step: int, cfg: TrainConfig) -> float:
-    return min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    return lr_factor(
+        step, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, schedule=cfg.lr_schedule
+    )
+
+
+def score_trajectories(
+    trajectories: Sequence[Trajectory], cfg: MonitorConfig
+) -> tuple[list[bool], Any]:
+    """The monitor first (it zeroes hacked rewards), then which episodes passed."""
+    from etude.monitor.hook import apply_monitor
+
+    mstats = apply_monitor(list(trajectories), cfg)
+    passed = [float(t.reward or 0.0) >= 1.0 for t in trajectories]
+    return passed, mstats
+
+
+def loss_tokens(rows: dict[int, Row], hinted: Sequence[HintedTurn], keep: set[int]) -> dict:
+    """Per trajectory: its loss-carrying tokens (trainable tokens if kept, else its hinted
+    targets), and whether it carries gradient signal (a non-zero advantage on a kept row, or a
+    non-empty hint)."""
+    tokens = {k: (sum(r.trainable[1:]) if k in keep else 0) for k, r in rows.items()}
+    signal = {k: k in keep and rows[k].advantage != 0.0 and tokens[k] > 0 for k in rows}
+    for h in hinted:
+        if h.row not in keep:
+            tokens[h.row] += len(h.student_targets)
+        if h.num_hint_ids > 0:
+            signal[h.row] = True
+    return {"tokens": tokens, "signal": signal}
+
+
+@dataclass(kw_only=True, slots=True)
+class StepBatch:
+    """What one RL step carries from stage to stage (``RLRun.run_step``)."""
+
+    step: int
+    """0-based index of the step (the step number logged is ``step + 1``)."""
+    trajectories: list[Trajectory]
+    rollout_stats: Any
+    started: float
+    passed: list[bool] = field(default_factory=list)
+    monitor_stats: Any = None
+    spawned: list[TaskRecord] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    zero_var: list[bool] = field(default_factory=list)
+    keep: set[int] = field(default_factory=set)
+    hinted: list[HintedTurn] = field(default_factory=list)
+    teachers: list[Tensor | None] = field(default_factory=list)
+    sums: StepSums = field(default_factory=StepSums)
+    kl_values: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    updated: bool = False
+    """Whether the optimizer stepped (False: no gradient signal, weights left as they were)."""
+    num_minibatches: int = 1
+    train_seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def update_policy(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: StepBatch,
+    cfg: TrainRecipe,
+    *,
+    reference: nn.Module | None = None,
+    device: torch.device | None = None,
+    world_size: int = 1,
+) -> None:
+    """``rl.num_minibatches`` optimizer steps over a scored batch (advantages, keep, hinted
+    turns and teacher logits filled in); sets ``batch.updated``, ``grad_norm``, ``sums`` and
+    writes each hinted turn's per-token KL into its trajectory (``info["kl"]``, the viewer's
+    heat map).
+
+    A minibatch without gradient signal (every advantage zero or dropped, no non-empty hint,
+    no reference KL) leaves the weights, the optimizer state and the MoE balance as they were,
+    unless ``rl.update_without_signal``: decoupled weight decay, momentum and the bias update
+    would otherwise move a policy that nothing asked to move. Its forward still runs (no grad)
+    for the step's metrics.
+    """
+    device = device or next(model.parameters()).device
+    trajectories = batch.trajectories
+    rows = {
+        k: trajectory_row(trajectories[k], batch.advantages[k]) for k in range(len(trajectories))
+    }
+    info = loss_tokens(rows, batch.hinted, batch.keep)
+    # same split on every rank: every rank holds the same number of trajectories
+    order = list(range(len(trajectories)))
+    minibatches = [order[i :: cfg.rl.num_minibatches] for i in range(cfg.rl.num_minibatches)]
+    batch.num_minibatches = len(minibatches)
+    for minibatch in minibatches:
+        local_tokens = sum(info["tokens"][k] for k in minibatch)
+        local_signal = sum(1 for k in minibatch if info["signal"][k])
+        num_tokens, num_signal = (int(x) for x in all_reduce_sum([local_tokens, local_signal]))
+        step_it = num_signal > 0 or reference is not None or cfg.rl.update_without_signal
+        optimizer.zero_grad(set_to_none=True)
+        for i in range(0, len(minibatch), cfg.rl.micro_batch_size):
+            micro = minibatch[i : i + cfg.rl.micro_batch_size]
+            micro_rows = [rows[k] if k in batch.keep else _masked(rows[k]) for k in micro]
+            where = {k: b for b, k in enumerate(micro)}
+            sel = [j for j, h in enumerate(batch.hinted) if h.row in where]
+            with torch.set_grad_enabled(step_it):
+                loss = minibatch_loss(
+                    model,
+                    micro_rows,
+                    [batch.hinted[j] for j in sel],
+                    [batch.teachers[j] for j in sel],
+                    [where[batch.hinted[j].row] for j in sel],
+                    rl=cfg.rl,
+                    teacher_cfg=cfg.teacher,
+                    num_tokens=num_tokens,
+                    reference=reference,
+                    device=device,
+                    sums=batch.sums,
+                    rollout=cfg.rollout,
+                    kl_values=batch.kl_values,
+                )
+            if step_it:
+                # FSDP averages gradients over ranks; the loss is already a global mean
+                (loss * world_size).backward()
+            batch.sums.add(loss=loss.item())
+        if not step_it:
+            for moe in model.moe_layers():  # the balance counts of a step not taken
+                moe.tokens_per_expert.zero_()
+            continue
+        clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        batch.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        optimizer.step()
+        batch.updated = True
+        if world_size > 1:  # the balancing update needs the load of the global batch
+            for moe in model.moe_layers():
+                dist.all_reduce(moe.tokens_per_expert)
+        model.update_expert_bias()
+    for (row, turn), values in batch.kl_values.items():
+        trajectories[row].info.setdefault("kl", {})[str(turn)] = values
+
+
+class RLRun:
+    """One RL run: the state that lives across steps, and one method per stage of a step.
+
+    ``run_step(step)`` = ``rollout`` -> ``score`` -> ``advantages`` -> ``teach`` -> ``update``
+    -> ``log`` -> ``checkpoint``. Use as a context manager (it holds the env pool, the progress
+    bar and the variant factory); ``finish`` exports the final policy.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainRecipe,
+        *,
+        on_step: Callable[[int, nn.Module], dict[str, float]] | None = None,
+    ) -> None:
+        from contextlib import ExitStack
+
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from etude.engine import Engine
+        from etude.optim import build_optimizer
+        from etude.report.metrics import MetricsLogger, prepare_run_dir
+        from etude.rl.sft import load_policy
+        from etude.tasks.record import load_tasks
+
+        self.cfg = cfg
+        self.on_step = on_step
+        tc = cfg.train
+        self.device, self.rank, self.world_size = init_distributed(tc.device)
+        rank, world_size = self.rank, self.world_size
+        if cfg.rollout.tasks_per_step % world_size:
+            raise ValueError(
+                f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} must be a multiple of the "
+                f"world size ({world_size}); every rank rolls out the same number of groups"
+            )
+        self.run_dir = run_dir = Path(tc.run_dir)
+        if rank == 0:
+            prepare_run_dir(run_dir, to_dict(cfg))
+        if world_size > 1:
+            dist.barrier()
+
+        self.model, self.tok, self.mcfg = load_policy(
+            tc.init, cfg.model, run_dir, device=self.device, seed=tc.seed
+        )
+        if cfg.env.max_tokens > self.mcfg.max_seq_len:
+            raise ValueError(
+                f"env.max_tokens={cfg.env.max_tokens} exceeds model.max_seq_len="
+                f"{self.mcfg.max_seq_len}; lower env.max_tokens (episodes must fit the model)"
+            )
+        self.task_path = Path(cfg.tasks.path)
+        tasks = load_tasks(self.task_path)
+        if cfg.tasks.limit:
+            tasks = tasks[: cfg.tasks.limit]
+        if not tasks:
+            raise ValueError(f"tasks.path={cfg.tasks.path!r} holds no tasks")
+        self.tasks = tasks
+        self.task_pool = self._load_pool()
+
+        # plain full-weight modules for generation, teacher and reference (see the docstring)
+        model = self.model
+        self.engine_model = model if world_size == 1 else copy.deepcopy(model)
+        self.teacher = TeacherWeights(cfg.teacher, self.engine_model)
+        self.reference = None
+        if cfg.rl.ref_kl_coef > 0:
+            self.reference = copy.deepcopy(self.engine_model).requires_grad_(False).eval()
+        if world_size > 1:
+            shard_policy(model)
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.engine = Engine(
+            self.engine_model, max_seq_len=cfg.env.max_tokens, decode_fn=self.tok.decode
+        )
+        self.detectors = build_detectors(cfg.feedback)
+        self.logger = MetricsLogger(run_dir if rank == 0 else None, config=to_dict(cfg))
+        self.start_step = self._resume()
+        self.initial: dict[str, float] = {}
+        if on_step is not None:
+            self.initial = {
+                f"initial/{k}": v for k, v in on_step(self.start_step, self.engine_model).items()
+            }
+        self.local_groups = cfg.rollout.tasks_per_step // world_size
+        self.last_metrics: dict[str, float] = {}
+        self.progress = Progress(
+            TextColumn("rl"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            disable=not tc.progress or rank != 0,
+            transient=True,
+        )
+        self._stack = ExitStack()
+        self.env_pool: Any = None
+        self.variant_factory: LazyTaskFactory | None = None
+        self.bar: Any = None
+
+    # ---------------------------------------------------------------- set-up
+
+    def _load_pool(self) -> TaskPool | None:
+        from etude.parallel.checkpoint import latest_checkpoint
+
+        cfg, run_dir = self.cfg, self.run_dir
+        self.spawning = cfg.tasks.curriculum and bool(cfg.tasks.repo)
+        if self.spawning and not Path(cfg.tasks.repo).is_dir():
+            raise ValueError(
+                f"tasks.repo={cfg.tasks.repo!r} is not a directory; pass the repository the "
+                "tasks were built from (relative to the working directory) or '' to spawn no "
+                "variants"
+            )
+        if not (cfg.tasks.curriculum and self.rank == 0):
+            return None
+        resume_from = latest_checkpoint(run_dir)
+        if resume_from is not None and (resume_from / "pool.json").is_file():
+            # the pool as it was at the checkpoint, not as a later crashed step left it
+            for name in ("pool.json", "pool.json.tasks.jsonl"):
+                shutil.copyfile(resume_from / name, run_dir / name)
+        return TaskPool.load_or_create(
+            run_dir / "pool.json", self.tasks, cfg.curriculum, base_dir=self.task_path.parent
+        )
+
+    def _resume(self) -> int:
+        """Load the newest checkpoint, if any; the step to start from."""
+        from etude.parallel.checkpoint import latest_checkpoint, load_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            self.logger.truncate_after(0)
+            return 0
+        extra = load_checkpoint(ckpt, self.model, self.optimizer)
+        start = int(extra["step"])
+        torch.set_rng_state(torch.tensor(extra["torch_rng"], dtype=torch.uint8))
+        ema_file = ckpt / "teacher_ema.pt"
+        if ema_file.is_file():
+            self.teacher.load_state_dict(torch.load(ema_file, weights_only=True))
+        if self.engine_model is not self.model:
+            copy_full_weights(self.model, self.engine_model)
+        # the steps after the checkpoint are run again: their rows go, so no step is logged twice
+        self.logger.truncate_after(start)
+        if self.rank == 0:
+            print(f"resumed from {ckpt} at step {start}")
+        return start
+
+    def __enter__(self) -> RLRun:
+        from etude.env.pool import EnvPool
+
+        cfg = self.cfg
+        self.env_pool = self._stack.enter_context(
+            EnvPool(
+                cfg.env,
+                tokenizer=self.tok,
+                base_dir=self.task_path.parent,
+                max_workers=cfg.rollout.num_workers,
+            )
+        )
+        self._stack.enter_context(self.progress)
+        self.variant_factory = self._stack.enter_context(
+            LazyTaskFactory(cfg.tasks.repo, self.run_dir / "variants", cfg.tasks.build)
+        )
+        self.bar = self.progress.add_task(
+            "rl", total=cfg.train.steps, completed=self.start_step, info=""
+        )
+        self.model.train()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    # ---------------------------------------------------------------- the stages
+
+    def draw_tasks(self, step: int) -> list[TaskRecord]:
+        """This rank's share of the step's tasks."""
+        cfg = self.cfg
+        num, seed = cfg.rollout.tasks_per_step, cfg.train.seed
+        if cfg.tasks.curriculum:
+            drawn = []
+            if self.task_pool is not None:
+                drawn = sample_tasks(self.tasks, num, seed=seed, step=step, pool=self.task_pool)
+            drawn = broadcast_task_records(drawn)
+        else:
+            drawn = sample_tasks(self.tasks, num, seed=seed, step=step)
+        return drawn[self.rank * self.local_groups : (self.rank + 1) * self.local_groups]
+
+    def rollout(self, step: int) -> StepBatch:
+        """Stage 1: G episodes of each drawn task with the current policy."""
+        from etude.rl.rollout import collect_rollouts
+
+        started = time.perf_counter()
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * _lr_factor(step, self.cfg.train)
+        trajectories, rstats = collect_rollouts(
+            self.engine,
+            self.env_pool,
+            self.draw_tasks(step),
+            self.cfg.rollout,
+            seed=self.cfg.train.seed,
+            step=step,
+            group_offset=self.rank * self.local_groups,
+        )
+        return StepBatch(
+            step=step, trajectories=trajectories, rollout_stats=rstats, started=started
+        )
+
+    def score(self, batch: StepBatch) -> None:
+        """Stage 2: the monitor zeroes hacked rewards, then pass/fail, the curriculum's
+        statistics and (every ``tasks.spawn_every`` steps) new variants."""
+        cfg = self.cfg
+        batch.passed, batch.monitor_stats = score_trajectories(batch.trajectories, cfg.monitor)
+        if not cfg.tasks.curriculum:
+            return
+        pool = self.task_pool
+        for task_id, rewards in gather_group_rewards(batch.trajectories, cfg.rollout.group_size):
+            if pool is not None:
+                pool.update(task_id, rewards)
+        if pool is not None and self.spawning:
+            assert self.variant_factory is not None
+            batch.spawned = spawn_variants(
+                pool, self.variant_factory.get, batch.step + 1, cfg.tasks
+            )
+            if batch.spawned:
+                self.progress.console.print(
+                    f"curriculum: {len(batch.spawned)} variant(s) after step {batch.step + 1}: "
+                    + ", ".join(r.instance_id for r in batch.spawned)
+                )
+
+    def advantages(self, batch: StepBatch) -> None:
+        """Stage 3: hints on the turns the detectors flag; group-relative advantages."""
+        cfg = self.cfg
+        apply_detectors(batch.trajectories, self.detectors, cfg.feedback)
+        batch.advantages, batch.zero_var = trajectory_advantages(
+            batch.trajectories, cfg.rollout.group_size, cfg.rl
+        )
+        # a dropped zero-variance group still runs its forwards (masked) so that every rank
+        # makes the same number of sharded forwards; its hinted turns keep their KL, since an
+        # all-failed group is where the hint is the only signal
+        batch.keep = {
+            k
+            for k in range(len(batch.trajectories))
+            if not (cfg.rl.drop_zero_variance and batch.zero_var[k])
+        }
+
+    def teach(self, batch: StepBatch) -> None:
+        """Stage 4: the hinted teacher's logits at the hinted turns (before any update)."""
+        cfg = self.cfg
+        if cfg.teacher.beta <= 0:
+            return
+        batch.hinted = build_hinted_turns(
+            batch.trajectories, self.tok, max_len=self.mcfg.max_seq_len
+        )
+        batch.teachers = teacher_logits(
+            self.teacher.module, batch.hinted, max_batch=cfg.teacher.max_batch
+        )
+
+    def update(self, batch: StepBatch) -> None:
+        """Stage 5: the optimizer steps (``update_policy``), then the engine's and the EMA
+        teacher's weights follow the policy."""
+        start = time.perf_counter()
+        update_policy(
+            self.model,
+            self.optimizer,
+            batch,
+            self.cfg,
+            reference=self.reference,
+            device=self.device,
+            world_size=self.world_size,
+        )
+        if batch.updated:
+            if self.engine_model is not self.model:
+                copy_full_weights(self.model, self.engine_model)
+            self.teacher.update(self.model)
+        batch.train_seconds = time.perf_counter() - start
+
+    def log(self, batch: StepBatch) -> dict[str, float]:
+        """Stage 6: the step's metrics (JSONL, console line), its trajectories file."""
+        from etude.report.metrics import format_step_line
+
+        tc = self.cfg.train
+        metrics = _step_metrics(
+            batch.trajectories,
+            batch.passed,
+            batch.zero_var,
+            batch.hinted,
+            batch.sums,
+            batch.rollout_stats,
+            batch.train_seconds,
+            batch.grad_norm,
+            num_groups=self.local_groups,
+            num_minibatches=batch.num_minibatches,
+        )
+        metrics.update(batch.monitor_stats.metrics())
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["updated"] = float(batch.updated)
+        if self.task_pool is not None:
+            metrics.update(
+                curriculum_metrics(self.task_pool, batch.spawned if self.spawning else None)
+            )
+        metrics["step_seconds"] = time.perf_counter() - batch.started
+        done = batch.step + 1
+        if self.on_step is not None:
+            metrics.update(self.on_step(done, self.engine_model))
+        if tc.save_trajectories:
+            name = f"step_{done:06d}" + (f".rank{self.rank}" if self.world_size > 1 else "")
+            write_jsonl(self.run_dir / "trajectories" / f"{name}.jsonl", batch.trajectories)
+        if self.rank == 0:
+            self.logger.log(done, metrics)
+        self.progress.update(self.bar, advance=1, info=f"reward {metrics['reward']:.3f}")
+        if self.rank == 0 and (done % tc.log_every == 0 or done == tc.steps):
+            keys = (
+                "loss",
+                "reward",
+                "pass_rate",
+                "err/unknown_tool",
+                "err/malformed_call",
+                "hints",
+                "kl",
+                "entropy",
+                "clip_frac",
+                "rollout_tok/s",
+                "train_tok/s",
+            )
+            self.progress.console.print(format_step_line(done, metrics, keys))
+        batch.metrics = metrics
+        self.last_metrics = metrics
+        return metrics
+
+    def checkpoint(self, done: int, *, force: bool = False) -> None:
+        """Stage 7: every ``train.checkpoint_every`` steps, at the last step, or when forced."""
+        from etude.parallel.checkpoint import save_checkpoint
+
+        tc = self.cfg.train
+        if not (force or done % tc.checkpoint_every == 0 or done == tc.steps):
+            return
+        extra = {"torch_rng": torch.get_rng_state().tolist(), "seed": tc.seed}
+        path = save_checkpoint(self.run_dir, done, self.model, self.optimizer, extra)
+        if self.task_pool is not None:
+            self.task_pool.save()
+            for name in ("pool.json", "pool.json.tasks.jsonl"):
+                shutil.copyfile(self.run_dir / name, path / name)
+        if self.rank == 0 and self.cfg.teacher.source == "ema":
+            tmp = path / ".teacher_ema.pt.tmp"
+            torch.save(self.teacher.state_dict(), tmp)
+            tmp.replace(path / "teacher_ema.pt")
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One whole RL step; returns its metrics."""
+        batch = self.rollout(step)
+        self.score(batch)
+        self.advantages(batch)
+        self.teach(batch)
+        self.update(batch)
+        metrics = self.log(batch)
+        self.checkpoint(step + 1)
+        return metrics
+
+    def finish(self) -> dict[str, float]:
+        """Export the policy (safetensors + tokenizer); the last step's metrics."""
+        from etude.parallel.checkpoint import export_safetensors
+
+        export_safetensors(self.model, self.run_dir / "export", to_dict(self.mcfg))
+        if self.rank == 0:
+            self.tok.save(self.run_dir / "tokenizer")
+        self.logger.close()
+        return {"step": self.cfg.train.steps, **self.initial, **self.last_metrics}
 
 
 def run_train(
@@ -526,287 +1057,10 @@ def run_train(
     step's metrics (``eval/...`` measurements of a benchmark, say). Its step-0 numbers are
     returned under ``initial``-prefixed keys in the result.
     """
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from etude.engine import Engine
-    from etude.env.pool import EnvPool
-    from etude.monitor.hook import apply_monitor
-    from etude.optim import build_optimizer
-    from etude.parallel.checkpoint import (
-        export_safetensors,
-        latest_checkpoint,
-        load_checkpoint,
-        save_checkpoint,
-    )
-    from etude.report.metrics import MetricsLogger, format_step_line, prepare_run_dir
-    from etude.rl.rollout import collect_rollouts
-    from etude.rl.sft import init_distributed, load_policy, resolve_device
-    from etude.tasks.record import load_tasks
-
-    tc = cfg.train
-    rank, world_size = init_distributed()
-    device = resolve_device(tc.device, rank)
-    if cfg.rollout.tasks_per_step % world_size:
-        raise ValueError(
-            f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} must be a multiple of the "
-            f"world size ({world_size}); every rank rolls out the same number of groups"
-        )
-    run_dir = Path(tc.run_dir)
-    if rank == 0:
-        prepare_run_dir(run_dir, to_dict(cfg))
-    if world_size > 1:
-        dist.barrier()
-
-    model, tok, mcfg = load_policy(tc.init, cfg.model, run_dir, device=device, seed=tc.seed)
-    if cfg.env.max_tokens > mcfg.max_seq_len:
-        raise ValueError(
-            f"env.max_tokens={cfg.env.max_tokens} exceeds model.max_seq_len={mcfg.max_seq_len}; "
-            "lower env.max_tokens (episodes must fit the model)"
-        )
-    task_path = Path(cfg.tasks.path)
-    tasks = load_tasks(task_path)
-    if cfg.tasks.limit:
-        tasks = tasks[: cfg.tasks.limit]
-    if not tasks:
-        raise ValueError(f"tasks.path={cfg.tasks.path!r} holds no tasks")
-
-    task_pool: TaskPool | None = None
-    pool_path = run_dir / "pool.json"
-    spawning = cfg.tasks.curriculum and bool(cfg.tasks.repo)
-    if spawning and not Path(cfg.tasks.repo).is_dir():
-        raise ValueError(
-            f"tasks.repo={cfg.tasks.repo!r} is not a directory; pass the repository the tasks "
-            "were built from (relative to the working directory) or '' to spawn no variants"
-        )
-    if cfg.tasks.curriculum and rank == 0:
-        resume_from = latest_checkpoint(run_dir)
-        if resume_from is not None and (resume_from / "pool.json").is_file():
-            # the pool as it was at the checkpoint, not as a later crashed step left it
-            for name in ("pool.json", "pool.json.tasks.jsonl"):
-                shutil.copyfile(resume_from / name, run_dir / name)
-        task_pool = TaskPool.load_or_create(
-            pool_path, tasks, cfg.curriculum, base_dir=task_path.parent
-        )
-
-    # plain full-weight modules for generation, teacher and reference (see the docstring)
-    engine_model = model if world_size == 1 else copy.deepcopy(model)
-    teacher = TeacherWeights(cfg.teacher, engine_model)
-    reference = None
-    if cfg.rl.ref_kl_coef > 0:
-        reference = copy.deepcopy(engine_model).requires_grad_(False).eval()
-    if world_size > 1:
-        shard_policy(model)
-    optimizer = build_optimizer(model, cfg.optim)
-    base_lrs = [g["lr"] for g in optimizer.param_groups]
-    engine = Engine(engine_model, max_seq_len=cfg.env.max_tokens, decode_fn=tok.decode)
-    detectors = build_detectors(cfg.feedback)
-
-    start_step = 0
-    logger = MetricsLogger(run_dir if rank == 0 else None, config=to_dict(cfg))
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        extra = load_checkpoint(ckpt, model, optimizer)
-        start_step = int(extra["step"])
-        torch.set_rng_state(torch.tensor(extra["torch_rng"], dtype=torch.uint8))
-        ema_file = ckpt / "teacher_ema.pt"
-        if ema_file.is_file():
-            teacher.load_state_dict(torch.load(ema_file, weights_only=True))
-        if engine_model is not model:
-            copy_full_weights(model, engine_model)
-        logger.truncate_after(start_step)
-        if rank == 0:
-            print(f"resumed from {ckpt} at step {start_step}")
-
-    initial: dict[str, float] = {}
-    if on_step is not None:
-        initial = {f"initial/{k}": v for k, v in on_step(start_step, engine_model).items()}
-    local_groups = cfg.rollout.tasks_per_step // world_size
-    G = cfg.rollout.group_size
-    metrics: dict[str, float] = {}
-    progress = Progress(
-        TextColumn("train"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"),
-        TimeRemainingColumn(),
-        disable=not tc.progress or rank != 0,
-        transient=True,
-    )
-    model.train()
-    with (
-        EnvPool(
-            cfg.env, tokenizer=tok, base_dir=task_path.parent, max_workers=cfg.rollout.num_workers
-        ) as env_pool,
-        progress,
-        LazyTaskFactory(cfg.tasks.repo, run_dir / "variants", cfg.tasks.build) as variant_factory,
-    ):
-        bar = progress.add_task("train", total=tc.steps, completed=start_step, info="")
-        for step in range(start_step, tc.steps):
-            step_start = time.perf_counter()
-            for group, base in zip(optimizer.param_groups, base_lrs):
-                group["lr"] = base * _lr_factor(step, tc)
-            if cfg.tasks.curriculum:
-                drawn = []
-                if task_pool is not None:
-                    drawn = sample_tasks(
-                        tasks, cfg.rollout.tasks_per_step, seed=tc.seed, step=step, pool=task_pool
-                    )
-                drawn = broadcast_task_records(drawn)
-            else:
-                drawn = sample_tasks(tasks, cfg.rollout.tasks_per_step, seed=tc.seed, step=step)
-            mine = drawn[rank * local_groups : (rank + 1) * local_groups]
-            trajectories, rstats = collect_rollouts(
-                engine,
-                env_pool,
-                mine,
-                cfg.rollout,
-                seed=tc.seed,
-                step=step,
-                group_offset=rank * local_groups,
-            )
-            passed = [float(t.reward or 0.0) >= 1.0 for t in trajectories]
-            mstats = apply_monitor(trajectories, cfg.monitor)
-            spawned: list[TaskRecord] = []
-            if cfg.tasks.curriculum:
-                for task_id, rewards in gather_group_rewards(trajectories, G):
-                    if task_pool is not None:
-                        task_pool.update(task_id, rewards)
-                if task_pool is not None and spawning:
-                    spawned = spawn_variants(task_pool, variant_factory.get, step + 1, cfg.tasks)
-                    if spawned:
-                        progress.console.print(
-                            f"curriculum: {len(spawned)} variant(s) after step {step + 1}: "
-                            + ", ".join(r.instance_id for r in spawned)
-                        )
-            apply_detectors(trajectories, detectors, cfg.feedback)
-            advantages, zero_var = trajectory_advantages(trajectories, G, cfg.rl)
-            # a dropped zero-variance group still runs its forwards (masked) so that every rank
-            # makes the same number of sharded forwards
-            keep = {
-                k
-                for k in range(len(trajectories))
-                if not (cfg.rl.drop_zero_variance and zero_var[k])
-            }
-
-            hinted: list[HintedTurn] = []
-            teachers: list[Tensor | None] = []
-            if cfg.teacher.beta > 0:
-                hinted = build_hinted_turns(trajectories, tok, max_len=mcfg.max_seq_len)
-                hinted = [h for h in hinted if h.row in keep]
-                teachers = teacher_logits(teacher.module, hinted, max_batch=cfg.teacher.max_batch)
-
-            train_start = time.perf_counter()
-            sums = StepSums()
-            rows = {
-                k: trajectory_row(trajectories[k], advantages[k]) for k in range(len(trajectories))
-            }
-            # same split on every rank: every rank holds local_groups * G trajectories
-            order = list(range(len(trajectories)))
-            minibatches = [
-                order[i :: cfg.rl.num_minibatches] for i in range(cfg.rl.num_minibatches)
-            ]
-            grad_norm = 0.0
-            for minibatch in minibatches:
-                kept = {k for k in minibatch if k in keep}
-                local_tokens = sum(sum(rows[k].trainable[1:]) for k in kept)
-                local_hinted = sum(len(h.student_targets) for h in hinted if h.row in kept)
-                num_tokens, num_hinted = (
-                    int(x) for x in all_reduce_sum([local_tokens, local_hinted])
-                )
-                optimizer.zero_grad(set_to_none=True)
-                for i in range(0, len(minibatch), cfg.rl.micro_batch_size):
-                    micro = minibatch[i : i + cfg.rl.micro_batch_size]
-                    micro_rows = [rows[k] if k in keep else _masked(rows[k]) for k in micro]
-                    where = {k: b for b, k in enumerate(micro)}
-                    sel = [j for j, h in enumerate(hinted) if h.row in where]
-                    loss = minibatch_loss(
-                        model,
-                        micro_rows,
-                        [hinted[j] for j in sel],
-                        [teachers[j] for j in sel],
-                        [where[hinted[j].row] for j in sel],
-                        rl=cfg.rl,
-                        teacher_cfg=cfg.teacher,
-                        num_tokens=num_tokens,
-                        num_hinted_tokens=num_hinted,
-                        reference=reference,
-                        device=device,
-                        sums=sums,
-                    )
-                    # FSDP averages gradients over ranks; the loss is already a global mean
-                    (loss * world_size).backward()
-                    sums.add(loss=loss.item())
-                grad_norm = float(
-                    torch.nn.utils.clip_grad_norm_(
-                        model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")
-                    )
-                )
-                optimizer.step()
-                if world_size > 1:  # the balancing update needs the load of the global batch
-                    for moe in model.moe_layers():
-                        dist.all_reduce(moe.tokens_per_expert)
-                model.update_expert_bias()
-            if engine_model is not model:
-                copy_full_weights(model, engine_model)
-            teacher.update(model)
-            train_seconds = time.perf_counter() - train_start
-
-            metrics = _step_metrics(
-                trajectories,
-                passed,
-                zero_var,
-                hinted,
-                sums,
-                rstats,
-                train_seconds,
-                grad_norm,
-                num_groups=local_groups,
-                num_minibatches=len(minibatches),
-            )
-            metrics.update(mstats.metrics())
-            metrics["lr"] = optimizer.param_groups[0]["lr"]
-            if task_pool is not None:
-                metrics.update(curriculum_metrics(task_pool, spawned if spawning else None))
-            metrics["step_seconds"] = time.perf_counter() - step_start
-            if on_step is not None:
-                metrics.update(on_step(step + 1, engine_model))
-            done = step + 1
-            if rank == 0:
-                logger.log(done, metrics)
-            if tc.save_trajectories:
-                name = f"step_{done:06d}" + (f".rank{rank}" if world_size > 1 else "")
-                write_jsonl(run_dir / "trajectories" / f"{name}.jsonl", trajectories)
-            progress.update(bar, advance=1, info=f"reward {metrics['reward']:.3f}")
-            if rank == 0 and (done % tc.log_every == 0 or done == tc.steps):
-                keys = (
-                    "loss",
-                    "reward",
-                    "pass_rate",
-                    "err/unknown_tool",
-                    "hints",
-                    "kl",
-                    "entropy",
-                    "clip_frac",
-                    "rollout_tok/s",
-                    "train_tok/s",
-                )
-                progress.console.print(format_step_line(done, metrics, keys))
-            if done % tc.checkpoint_every == 0 or done == tc.steps:
-                extra = {"torch_rng": torch.get_rng_state().tolist(), "seed": tc.seed}
-                path = save_checkpoint(run_dir, done, model, optimizer, extra)
-                if task_pool is not None:
-                    task_pool.save()
-                    for name in ("pool.json", "pool.json.tasks.jsonl"):
-                        shutil.copyfile(run_dir / name, path / name)
-                if rank == 0 and cfg.teacher.source == "ema":
-                    tmp = path / ".teacher_ema.pt.tmp"
-                    torch.save(teacher.state_dict(), tmp)
-                    tmp.replace(path / "teacher_ema.pt")
-    export_safetensors(model, run_dir / "export", to_dict(mcfg))
-    if rank == 0:
-        tok.save(run_dir / "tokenizer")
-    logger.close()
-    return {"step": tc.steps, **initial, **metrics}
+    with RLRun(cfg, on_step=on_step) as run:
+        for step in range(run.start_step, cfg.train.steps):
+            run.run_step(step)
+        return run.finish()
 
 
 def curriculum_metrics(pool: TaskPool, spawned: Sequence[TaskRecord] | None) -> dict[str, float]:
