@@ -66,14 +66,76 @@ def step_dir_name(step: int) -> str:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
+    """The newest complete checkpoint of a run, or None.
+
+    When ``latest`` names a directory that is gone (deleted by hand, or the instant of a
+    re-save), the newest complete ``step_N`` directory (one with ``extra.json``) is used
+    instead, with a warning.
+    """
     ckpt_root = Path(run_dir) / CHECKPOINT_DIR
     pointer = ckpt_root / "latest"
-    if pointer.is_file():
-        path = ckpt_root / pointer.read_text().strip()
-        if path.is_dir():
-            return path
-    return None
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = ckpt_root / name
+    if path.is_dir():
+        return path
+    complete = sorted(
+        p
+        for p in ckpt_root.glob("step_*")
+        if p.is_dir() and p.name[5:].isdigit() and (p / "extra.json").is_file()
+    )
+    if not complete:
+        warnings.warn(
+            f"{pointer} names {name!r}, which does not exist, and no other complete checkpoint "
+            "is there: starting from the beginning",
+            stacklevel=2,
+        )
+        return None
+    warnings.warn(
+        f"{pointer} names {name!r}, which does not exist; resuming from the newest complete "
+        f"checkpoint, {complete[-1].name}",
+        stacklevel=2,
+    )
+    return complete[-1]
+
+
+def check_checkpoint_files(path: str | Path) -> None:
+    """A ``ValueError`` naming the first missing or truncated file of a DCP checkpoint.
+
+    DCP's ``.metadata`` records, per tensor, the file, offset and length that hold it; a file
+    shorter than its last byte (a copy or a disk that stopped half-way) is reported here, in
+    one line, instead of as a deserialization traceback.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    meta_file = path / ".metadata"
+    if not meta_file.is_file():
+        raise ValueError(f"checkpoint file {meta_file} is missing; {_FIX.format(path=path)}")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
+        raise ValueError(
+            f"checkpoint file {meta_file} is unreadable ({type(e).__name__}); "
+            + _FIX.format(path=path)
+        ) from None
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for rel, end in sorted(need.items()):
+        f = path / rel
+        size = f.stat().st_size if f.is_file() else -1
+        if size < end:
+            what = "missing" if size < 0 else f"truncated ({size:,} of {end:,} bytes)"
+            raise ValueError(f"checkpoint file {f} is {what}; " + _FIX.format(path=path))
+
+
+_FIX = (
+    "delete the directory {path} to resume from the previous checkpoint, or start the run "
+    "in a new directory"
+)
 
 
 def _app_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -140,6 +202,7 @@ def load_checkpoint(
         raise ValueError(
             f"{path} is not a complete etude checkpoint (no extra.json); pass a step_N directory"
         )
+    check_checkpoint_files(path)
     state = _app_state(model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
