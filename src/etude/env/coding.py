@@ -42,11 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from etude.env.protocol import append_results, run_turn, turn_record
+from etude.env.protocol import (
+    TOOL_DECLARATIONS,
+    append_results,
+    run_turn,
+    system_prompt,
+    turn_record,
+)
 from etude.env.reward import compute_reward, copy_workspace, remove_tree
 from etude.env.tools import Toolbox, ToolConfig, tool_schemas
 from etude.env.trajectory import ToolCall, ToolError, Trajectory
-from etude.model.chat import Conversation, Span, encode_header, tools_system_prompt
+from etude.model.chat import Conversation, Span, encode_header
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
 from etude.sandbox import SandboxConfig, make_sandbox
 from etude.tasks.layout import detect_layout
@@ -79,6 +85,9 @@ class EnvConfig:
     """Wall-clock limit of the reward's test run."""
     instructions: str = DEFAULT_INSTRUCTIONS
     """Text that opens the system prompt, before the tool declarations."""
+    tool_declarations: str = "json"
+    """How the system prompt declares the tools: ``json`` (OpenAI schemas) or ``compact`` (one
+    signature line per tool, ``etude.env.protocol.compact_tool_lines``: ~6x fewer tokens)."""
     work_dir: str = ""
     """Directory for episode and scoring directories (empty: the system temp directory)."""
     tools: ToolConfig = field(default_factory=ToolConfig)
@@ -96,6 +105,10 @@ class EnvConfig:
             )
         if not self.wall_clock_s > 0:
             raise ValueError(f"env.wall_clock_s={self.wall_clock_s} must be > 0 seconds")
+        if self.tool_declarations not in TOOL_DECLARATIONS:
+            raise ValueError(
+                f"env.tool_declarations={self.tool_declarations!r}: use json or compact"
+            )
         if not self.reward_timeout_s > 0:
             raise ValueError(f"env.reward_timeout_s={self.reward_timeout_s} must be > 0 seconds")
         if self.work_dir and not os.path.isdir(self.work_dir):
@@ -266,7 +279,11 @@ class CodingEnv:
     def _start_conversation(self) -> None:
         conversation = Conversation(self.tokenizer)
         trajectory = Trajectory(task_id=self.task.instance_id, info={"repo": self._repo})
-        system = tools_system_prompt(tool_schemas(), preamble=self.cfg.instructions)
+        system = system_prompt(
+            tool_schemas(),
+            preamble=self.cfg.instructions,
+            declarations=self.cfg.tool_declarations,
+        )
         for role, text in (("system", system), ("user", self.task.problem_statement)):
             span = conversation.add_message(role, text)
             trajectory.turns.append(turn_record(conversation, span, role, text))

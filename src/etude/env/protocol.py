@@ -1,6 +1,6 @@
 """The tool-call protocol: find the calls in an assistant turn, run them, append the results.
 
-The convention (Hermes/Qwen, DESIGN.md "Tool-call protocol"): the assistant writes
+The convention (Hermes/Qwen, docs/architecture.md "Tool-call protocol"): the assistant writes
 ``<tool_call>{"name": "read_file", "arguments": {"path": "x.py"}}</tool_call>``, as many as it
 likes in one turn, with free text around them. Decisions this module makes:
 
@@ -41,7 +41,7 @@ from typing import Any
 
 from etude.env.tools import Toolbox, json_type_name
 from etude.env.trajectory import ToolCall, ToolError, Turn
-from etude.model.chat import Conversation, Span
+from etude.model.chat import Conversation, Span, tools_system_prompt
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START
 
 CALL_FORMAT = f'{TOOL_CALL_START}{{"name": "<tool name>", "arguments": {{...}}}}{TOOL_CALL_END}'
@@ -51,6 +51,59 @@ NO_TOOL_CALL_MESSAGE = (
 )
 NOT_EXECUTED_SUBMITTED = "Not executed: the episode ended with submit before this call."
 NOT_EXECUTED_TIMEOUT = "Not executed: the episode's time limit was reached."
+TOOL_DECLARATIONS = ("json", "compact")
+
+
+def _type_name(schema: dict[str, Any]) -> str:
+    kind = schema.get("type", "any")
+    if isinstance(kind, list):
+        kind = "|".join(str(k) for k in kind if k != "null")
+    return {"string": "str", "integer": "int", "boolean": "bool", "array": "list"}.get(
+        str(kind), str(kind)
+    )
+
+
+def compact_tool_lines(tools: Sequence[dict[str, Any]]) -> list[str]:
+    """One signature line per OpenAI function schema: ``name(arg: type, opt?: type): what``.
+
+    The same tools and argument names as the JSON declarations, in about a sixth of the tokens
+    (the JSON form costs ~1,500 of a tiny model's few thousand context tokens); argument
+    descriptions and bounds are left out, the tools' own error messages restate them.
+    """
+    lines = []
+    for tool in tools:
+        function = tool["function"]
+        params = function.get("parameters", {})
+        required = set(params.get("required", []))
+        args = [
+            f"{name}{'' if name in required else '?'}: {_type_name(spec)}"
+            for name, spec in params.get("properties", {}).items()
+        ]
+        lines.append(f"{function['name']}({', '.join(args)}): {function.get('description', '')}")
+    return lines
+
+
+def system_prompt(
+    tools: Sequence[dict[str, Any]], *, preamble: str = "", declarations: str = "json"
+) -> str:
+    """The episode's system message: ``preamble`` + the tool declarations + the call format.
+
+    ``declarations``: ``json`` (one OpenAI schema per line, ``chat.tools_system_prompt``) or
+    ``compact`` (``compact_tool_lines``).
+    """
+    if declarations not in TOOL_DECLARATIONS:
+        raise ValueError(f"env.tool_declarations={declarations!r}: use json or compact")
+    if declarations == "json":
+        return tools_system_prompt(tools, preamble=preamble)
+    parts = [preamble.strip()] if preamble.strip() else []
+    parts.append(
+        "Tools:\n"
+        + "\n".join(compact_tool_lines(tools))
+        + f"\nCall one as {CALL_FORMAT}; results come back in tool messages."
+    )
+    return "\n\n".join(parts)
+
+
 _NAME_RE = re.compile(r'"name"\s*:\s*"([^"\\]{1,100})"')
 _DECODER = json.JSONDecoder()
 

@@ -1,7 +1,7 @@
 """The trajectory record: one episode of a policy acting in a task's repository.
 
 This is the contract that the environment writes and the monitor, the RL trainer, the feedback
-detectors and the report read (DESIGN.md, "Trajectory"). It lives in ``etude.env`` because both
+detectors and the report read (docs/architecture.md, "Trajectory"). It lives in ``etude.env`` because both
 ``monitor`` and ``rl`` sit above ``env``.
 
 A trajectory is a list of turns in conversation order. Token ids of the whole episode are the

@@ -1,6 +1,6 @@
 """Parameter metadata: which optimizer a parameter belongs to and its natural Newton-Schulz blocks.
 
-The contract (DESIGN.md, "Parameter metadata"): the *model* says how each parameter splits into
+The contract (docs/architecture.md, "Parameter metadata"): the *model* says how each parameter splits into
 blocks; the optimizer (`etude.optim.groups`) reads it and never guesses from names.
 
 - q/k/v projections ``[H*Dh, D]``: heads along dim 0 (``kind="heads_dim0"``, H blocks of [Dh, D]);

@@ -1,7 +1,7 @@
 """The trainer's monitor hook: flag trajectories, zero the reward of hacks, count for metrics.
 
 The RL trainer calls ``apply_monitor`` after rewards are computed and before advantages
-(DESIGN.md data flow: rollout -> monitor -> advantages). For each trajectory it runs the rule
+(docs/architecture.md data flow: rollout -> monitor -> advantages). For each trajectory it runs the rule
 table (``etude.monitor.rules``, plus a user rules file), checks the task's honeypot canaries,
 optionally asks the judge (``etude.monitor.judge``), and writes the result to ``traj.flags``.
 A trajectory whose worst flag reaches ``min_severity_to_zero`` gets reward 0.0 (the original is

@@ -14,7 +14,7 @@ per GPU, for the dual mesh and for a single shared mesh:
    (communication overlapped, as the pipelined schedule does) or ``compute + comm`` (serial),
    plus the memory-bound elementwise work (momentum, weight decay, AdamW).
 
-Sharding assumed (what ``etude.parallel`` does, DESIGN.md "Dual mesh"): FSDP2 shards every
+Sharding assumed (what ``etude.parallel`` does, docs/architecture.md "Dual mesh"): FSDP2 shards every
 dense weight on dim 0 over ``dp_shard x cp`` (``torch.chunk`` sizes: ceil, trailing shards
 short or empty). Expert weights ``[E, M, K]`` are split over ``ep`` on dim 0, then over
 ``efsdp`` on dim 0 when it divides the local experts (whole experts per rank), else on dim 1

@@ -3,7 +3,7 @@
 A ``Layout`` is the set of degrees ``dp_replicate``, ``dp_shard``, ``cp``, ``ep`` over
 ``dp_replicate * dp_shard * cp`` GPUs, laid out one of two ways:
 
-- ``dual`` (DESIGN.md, "Dual mesh"): the dense mesh ``(dp_replicate, dp_shard, cp)`` holds
+- ``dual`` (docs/architecture.md, "Dual mesh"): the dense mesh ``(dp_replicate, dp_shard, cp)`` holds
   non-expert weights (FSDP over ``dp_shard x cp``, HSDP over ``dp_replicate``); the expert mesh
   ``(expert_replicate, efsdp, ep)`` holds expert weights over the same ranks, ``ep`` innermost,
   so ``ep`` is formed from ``dp_shard x cp`` and ``efsdp = dp_shard * cp / ep``. CP and EP

@@ -84,6 +84,9 @@ class RunData:
     curriculum_path: str | None = None
     monitor: dict[str, Any] | None = None
     evaluation: dict[str, Any] | None = None
+    stages: dict[str, Any] | None = None
+    """``stages.json`` of an ``etude demo`` run: per stage, its seconds (the whole job's wall
+    time is their sum, over every invocation that did work)."""
     tokenizer: Tokenizer | None = None
 
     def keys(self) -> list[str]:
@@ -156,9 +159,14 @@ def _find_curriculum(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     return None, None
 
 
+EVAL_TRAJECTORIES = "eval_trajectories.jsonl"
+
+
 def _trajectory_files(run_dir: Path) -> list[Path]:
-    files = sorted((run_dir / "trajectories").glob("*.jsonl")) + sorted(
-        run_dir.glob("trajectories*.jsonl")
+    files = (
+        sorted((run_dir / "trajectories").glob("*.jsonl"))
+        + sorted(run_dir.glob("trajectories*.jsonl"))
+        + [run_dir / EVAL_TRAJECTORIES]
     )
     return [f for f in dict.fromkeys(files) if f.is_file()]
 
@@ -179,6 +187,8 @@ def load_run(run_dir: str | Path, *, name: str | None = None) -> RunData:
         run.evaluation = _read_json(path / "eval.json")
     if (path / "monitor.json").is_file():
         run.monitor = _read_json(path / "monitor.json")
+    if (path / "stages.json").is_file():
+        run.stages = _read_json(path / "stages.json")
     metrics_path = path / "metrics.jsonl"
     by_step: dict[int, dict[str, Any]] = {}
     if metrics_path.is_file():
@@ -201,6 +211,8 @@ def load_run(run_dir: str | Path, *, name: str | None = None) -> RunData:
         match = _STEP_FILE.search(file.name)
         for n, traj in enumerate(read_jsonl(file)):
             step = int(match.group(1)) if match else traj.info.get("policy_step")
+            if file.name == EVAL_TRAJECTORIES:
+                step = None  # the final evaluation: no training step
             step = step if isinstance(step, int) and not isinstance(step, bool) else None
             run.trajectories.append((step, f"{file.relative_to(path)}:{n + 1}", traj))
     if (path / "tasks" / "tasks.jsonl").is_file():
@@ -288,7 +300,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
         "tasks": len(run.tasks),
         "flagged": flagged,
         "hints": sum(len(t.feedback) for _, _, t in run.trajectories),
-        "wall_seconds": (max(times) - min(times)) if len(times) > 1 else None,
+        "wall_seconds": _job_seconds(run, times),
         "rollout_tok_s": _mean(
             [v for r in run.metrics if (v := _number(r.get("rollout_tok/s"))) is not None]
         ),
@@ -762,11 +774,17 @@ def _summary_html(runs: Sequence[RunData], summaries: Sequence[dict[str, Any]]) 
                 f'<span class="trend">reward {_fmt(s["first_reward"])} at the first step, '
                 f"{_fmt(s['final_reward'])} at the last, best {_fmt(s['best_reward'])}</span>"
             )
+        verdict = (run.evaluation or {}).get("verdict")
+        verdict_html = (
+            f'<div class="verdict" data-verdict="{r}">{escape(verdict)}</div>'
+            if isinstance(verdict, str) and verdict
+            else ""
+        )
         blocks.append(
             f'<div class="run-summary" data-run="{r}"><div class="run-name">'
             f'<span class="swatch" style="background:{RUN_COLORS[r % 2]}"></span>'
             f'{escape(run.name)} <span class="path">{escape(str(run.path))}</span>{trend}</div>'
-            f'<div class="stats">{"".join(items)}</div></div>'
+            f'{verdict_html}<div class="stats">{"".join(items)}</div></div>'
         )
     return "\n".join(blocks)
 
@@ -839,6 +857,19 @@ def _tasks_html(runs: Sequence[RunData]) -> tuple[str, list[dict[str, Any]]]:
     return table, data
 
 
+def _job_seconds(run: RunData, times: Sequence[float]) -> float | None:
+    """The whole job's wall time: the stages' seconds of a demo run, else the metrics' span."""
+    if run.stages:
+        seconds = [_number(v.get("seconds")) for v in run.stages.values() if isinstance(v, dict)]
+        if any(x is not None for x in seconds):
+            return float(sum(x for x in seconds if x is not None))
+    return (max(times) - min(times)) if len(times) > 1 else None
+
+
+def _is_eval(src: str) -> bool:
+    return src.startswith(EVAL_TRAJECTORIES + ":")
+
+
 def _viewer_data(runs: Sequence[RunData], max_trajectories: int) -> tuple[list[dict], str]:
     items = [
         (r, step, src, traj) for r, run in enumerate(runs) for step, src, traj in run.trajectories
@@ -851,7 +882,15 @@ def _viewer_data(runs: Sequence[RunData], max_trajectories: int) -> tuple[list[d
         return 1 if traj.feedback or kl else 2
 
     priorities = [priority(t) for _, _, _, t in items]
-    chosen = select_trajectories(priorities, max_trajectories)
+    # the final evaluation's episodes always get a share of the page (up to a quarter)
+    evals = [i for i, (_, _, src, _) in enumerate(items) if _is_eval(src)]
+    train = [i for i in range(len(items)) if not _is_eval(items[i][2])]
+    num_eval = min(len(evals), max(max_trajectories // 4, 1) if max_trajectories > 0 else 0)
+    picked_eval = [evals[k] for k in select_trajectories([2] * len(evals), num_eval)]
+    picked_train = select_trajectories(
+        [priorities[i] for i in train], max_trajectories - len(picked_eval)
+    )
+    chosen = sorted(picked_eval + [train[k] for k in picked_train])
     size, dropped = 0, 0
     order = sorted(chosen, key=lambda i: priorities[i])
     kept: dict[int, dict] = {}
@@ -894,6 +933,7 @@ nav a { color: var(--muted); text-decoration: none; }
 nav a:hover { color: var(--ink); }
 .run-summary { background: #fff; border: 1px solid var(--line); border-radius: 10px;
   padding: 12px 16px; margin-bottom: 10px; }
+.verdict { font-size: 16px; font-weight: 650; margin: 6px 0 10px; padding: 8px 12px; border-left: 4px solid #2563eb; background: #eff6ff; }
 .run-name { font-weight: 650; font-size: 15px; display: flex; align-items: center; gap: 8px;
   flex-wrap: wrap; }
 .run-name .path { font-weight: 400; color: var(--muted); font-size: 12px; font-family: var(--mono); }

@@ -1,7 +1,6 @@
 """Text-feedback detectors: find the assistant turns where a short hint would have helped.
 
-Targeted RL with textual feedback (DESIGN.md "RL loss", seed "Targeted RL with textual
-feedback"): the final reward says that an episode went wrong, not where. A detector reads a
+Targeted RL with textual feedback (docs/architecture.md "RL loss"): the final reward says that an episode went wrong, not where. A detector reads a
 finished `Trajectory` and names the turns that could have been better, each with a short hint
 that describes the better behavior. ``etude.rl.teacher`` then splices that hint in front of the
 turn and uses the hinted model as a teacher for that turn only.

@@ -14,8 +14,9 @@ on that turn only). After training, `hint_preference` measures on those examples
 hinted model prefers the corrected turn where the unhinted one prefers the mistake.
 
 Data: ``data.episodes_per_task`` oracle episodes per task (seeds 0..n-1), cached in
-``RUN/sft_trajectories.jsonl`` so a resumed run trains on the same data. Every example is cut to
-``data.max_seq_len`` tokens (the model never sees longer contexts in the short RL episodes).
+``RUN/sft_trajectories.jsonl`` so a resumed run trains on the same data. Episodes are whole: one
+longer than ``data.max_seq_len`` or not ending in a passing submit is left out, never cut
+(``data.whole_episodes``; the hint-following examples of a left-out episode stay).
 Batches are drawn from (seed, step); checkpoints and resume as in ``etude.pretrain``.
 
 `load_policy` is shared with the RL trainer; the run plumbing (process group, device, LR
@@ -72,7 +73,12 @@ class SFTDataConfig:
     hint_weight: int = 2
     """How many times each hint-following example enters the pool."""
     max_seq_len: int = 2048
-    """Tokens per example (longer episodes are cut; longer hint examples are dropped)."""
+    """Tokens per example (longer hint examples are dropped; longer episodes too, see
+    ``whole_episodes``)."""
+    whole_episodes: bool = True
+    """Train only on whole episodes that end in a passing submit: a longer one is left out,
+    never cut mid-episode (a cut episode teaches reading files but never an edit or a submit).
+    False: cut every episode at ``max_seq_len``."""
 
     def __post_init__(self) -> None:
         self.mistakes = tuple(self.mistakes)
@@ -207,6 +213,15 @@ class Example:
     """Hint examples: how many ids the hint message takes."""
 
 
+def episode_complete(traj: Trajectory, max_len: int) -> bool:
+    """Whether an episode fits ``max_len`` tokens and ends in a submit that passed."""
+    return (
+        len(traj.token_ids) <= max_len
+        and traj.finish_reason == "submit"
+        and float(traj.reward or 0.0) >= 1.0
+    )
+
+
 def _generated_ids(tok: Tokenizer, text: str) -> list[int]:
     return [*tok.encode(text, allow_special=(TOOL_CALL_START, TOOL_CALL_END)), tok.im_end_id]
 
@@ -229,6 +244,8 @@ def oracle_examples(
             keep = cfg.train_on_mistakes or not mistaken
             mask += turn.trainable if keep else [0] * len(turn.token_ids)
         cut = cfg.max_seq_len
+        if cfg.whole_episodes and not episode_complete(traj, cfg.max_seq_len):
+            mask = []
         if any(mask[1:cut]):
             out.append(Example(ids=ids[:cut], mask=mask[:cut], kind="episode"))
         if not cfg.hint_examples:
@@ -401,6 +418,14 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
     if not examples:
         raise ValueError("no SFT examples: raise data.max_seq_len or data.episodes_per_task")
     num_hint = sum(e.kind.startswith("hint:") for e in examples)
+    num_whole = sum(episode_complete(t, cfg.data.max_seq_len) for t in trajectories)
+    lengths = sorted(len(t.token_ids) for t in trajectories)
+    print(
+        f"sft data: {num_whole}/{len(trajectories)} oracle episodes whole within "
+        f"data.max_seq_len={cfg.data.max_seq_len} (lengths {lengths[0]}-{lengths[-1]} tokens, "
+        f"median {lengths[len(lengths) // 2]}), {len(examples) - num_hint} episode and "
+        f"{num_hint} hint-following examples"
+    )
 
     optimizer = build_optimizer(model, cfg.optim)
     base_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -462,6 +487,7 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
         "examples": float(len(examples)),
         "hint_examples_in_pool": float(num_hint),
         "episodes": float(len(trajectories)),
+        "whole_episodes": float(num_whole),
         **pref,
     }
     write_json_atomic(run_dir / "hint_preference.json", summary)
