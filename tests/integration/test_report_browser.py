@@ -135,3 +135,72 @@ def test_console_lines_are_seen_by_the_check(tmp_path):
     page.write_text("<html><body><script>missingFunction();</script></body></html>")
     run = chromium(tmp_path, "--enable-logging=stderr", "--v=0", "--dump-dom", page.as_uri())
     assert any(":CONSOLE" in line and "Uncaught" in line for line in run.stderr.splitlines())
+
+
+def test_real_small_run_shows_kl_heat_map_and_eval_episodes(tmp_path):
+    # a real run (not a fixture): 2 RL steps of a tiny model with text feedback, then the
+    # demo's evaluation; its report must carry per-token KL from the trainer and the eval
+    # episodes in the viewer
+    import json
+    import os
+    import sys
+
+    from etude.config import load_config
+    from etude.demo import evaluate_policy
+    from etude.rl.trainer import TrainRecipe
+
+    root = Path(__file__).parents[2]
+    run_dir = tmp_path / "run"
+    overrides = [
+        "model.preset='tiny'",
+        "model.vocab_size=512",
+        "model.dim=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.head_dim=16",
+        "model.num_dense_layers=1",
+        "model.num_experts=4",
+        "model.num_experts_per_tok=2",
+        "model.expert_ffn_dim=32",
+        "model.dense_ffn_dim=64",
+        "model.max_seq_len=4096",
+        f"tasks.path='{root / 'examples' / 'tasks' / 'handwritten' / 'tasks.jsonl'}'",
+        "tasks.limit=1",
+        "env.max_turns=1",
+        "env.max_tokens=4000",
+        "rollout.tasks_per_step=1",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=8",
+        "rollout.num_workers=2",
+        "teacher.beta=1.0",
+        "train.init=''",
+        "train.steps=2",
+        f"train.run_dir='{run_dir}'",
+        "train.progress=false",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "etude", "train", str(root / "configs" / "rl-tiny.toml")]
+    done = subprocess.run(
+        [*cmd, *overrides], env=env, capture_output=True, text=True, timeout=600, cwd=root
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    recipe = load_config(TrainRecipe, root / "configs" / "rl-tiny.toml", overrides)
+    evaluate_policy(recipe, run_dir, 1, out=run_dir / "eval_trajectories.jsonl")
+
+    page = write_report([run_dir], tmp_path / "report.html")
+    html = page.read_text()
+    data = json.loads(re.search(r'id="etude-data">(.*?)</script>', html, re.S).group(1))
+    trajs = data["trajectories"]
+    assert any(t["source"].startswith("eval_trajectories.jsonl:") for t in trajs)
+    kl_turns = [u["kl"] for t in trajs for u in t["turns"] if u["kl"]]
+    assert kl_turns and all(any(v is not None for v in kl["values"]) for kl in kl_turns)
+
+    run = chromium(tmp_path, "--enable-logging=stderr", "--v=0", "--dump-dom", page.as_uri())
+    assert run.returncode == 0, run.stderr[-2000:]
+    dom = run.stdout
+    assert attr(dom, "viewer", "data-rendered") == "1"
+    assert attr(dom, "report-errors", "data-count") == "0"
+    assert '<td class="step">eval</td>' in dom
+    logged = [line for line in run.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+    assert not logged, logged

@@ -46,3 +46,27 @@ def test_cli_help_documents_every_flag_and_errors_exit_2(tmp_path):
     assert bad.returncode == 2 and "unknown config key 'demo.bogus'" in bad.stderr
     missing = run_cli("report", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "nope" in missing.stderr
+
+
+def test_wilson_interval_and_verdict_say_worse_when_worse():
+    from etude.demo import verdict_line, wilson_interval
+
+    low, high = wilson_interval(10, 50)
+    assert 0.11 < low < 0.2 < high < 0.34  # 0.20 with its 95% Wilson interval
+    assert wilson_interval(0, 54)[0] < 1e-9 and wilson_interval(54, 54)[1] > 1 - 1e-9
+
+    def ev(k: int, n: int = 54) -> dict:
+        lo, hi = wilson_interval(k, n)
+        return {
+            "pass_at_1": k / n,
+            "pass_at_1_low": lo,
+            "pass_at_1_high": hi,
+            "episodes": n,
+            "tasks": 9,
+            "targeted_error_rate": 0.1,
+        }
+
+    assert "(WORSE)" in verdict_line(ev(30), ev(5), 10, True)
+    assert "(better)" in verdict_line(ev(5), ev(30), 10, True)
+    line = verdict_line(ev(10), ev(12), 10, False)
+    assert "within the intervals" in line and "training tasks" in line and "54 eval" in line

@@ -336,3 +336,18 @@ def test_pass_rate_counts_after_the_monitor() -> None:
     passed, stats = score_trajectories([hacked, clean], MonitorConfig())
     assert passed == [False, True]
     assert hacked.reward == 0.0
+
+
+def test_measure_shift_reports_hinted_and_other_tokens(tok: Tokenizer) -> None:
+    model = small_model()
+    cfg = recipe(measure_shift=True)
+    optimizer = build_optimizer(model, cfg.optim)
+    trajs = group(model, [1.0, 0.0], hint="Call one of the declared tools.")
+    trajs[1].feedback = []
+    batch = make_batch(trajs, cfg, tok, model)
+    batch.teachers = teacher_logits(small_model(seed=1), batch.hinted)
+    update_policy(model, optimizer, batch, cfg)
+    sums = batch.sums.values
+    assert sums["shift_hinted_n"] == len(batch.hinted[0].student_targets)
+    assert sums["shift_other_n"] > 0 and sums["shift_hinted"] > 0 and sums["shift_other"] > 0
+    assert sums["teacher_minus_student_n"] == sums["shift_hinted_n"]

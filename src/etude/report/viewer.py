@@ -393,7 +393,7 @@ function renderViewer(data) {
         ? el("span", {class: "badge sev" + t.max_severity, text: t.flags.length + " (sev " + t.max_severity + ")"})
         : "";
       const tr = el("tr", {"data-id": String(t.id)},
-        oneRun ? null : el("td", {text: runs[t.run]}), el("td", {text: t.step === null ? "-" : String(t.step)}),
+        oneRun ? null : el("td", {text: runs[t.run]}), el("td", {class: "step", text: t.step === null ? (t.source.startsWith("eval_") ? "eval" : "-") : String(t.step)}),
         el("td", {class: "task", title: t.task, text: t.task}),
         el("td", {}, el("span", {class: "badge " + ((t.reward || 0) >= 1 ? "pass" : "fail"), text: fmt(t.reward)})),
         el("td", {text: String(t.turns.length)}), el("td", {}, flagCell),

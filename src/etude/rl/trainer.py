@@ -139,6 +139,10 @@ class RLConfig:
     dual_clip: float = 3.0
     """Bound of a negative-advantage token's loss at ``dual_clip * |A|`` (dual-clip PPO; 0 = off,
     else > 1)."""
+    measure_shift: bool = False
+    """Measure (two extra no-grad forwards per step) how far the update moves the policy's
+    logprobs on hinted-turn tokens vs the other generated tokens, and whether the hinted teacher
+    disprefers the student's tokens there (metrics ``shift/*``, ``teacher_minus_student``)."""
     update_without_signal: bool = False
     """Take the optimizer step (weight decay, momentum, MoE bias balance) also when the batch
     carries no gradient signal (all advantages zero or dropped, no hint, no reference KL)."""
@@ -631,6 +635,9 @@ def update_policy(
         k: trajectory_row(trajectories[k], batch.advantages[k]) for k in range(len(trajectories))
     }
     info = loss_tokens(rows, batch.hinted, batch.keep)
+    before = (
+        row_logprobs(model, rows, cfg, device) if cfg.rl.measure_shift and batch.hinted else None
+    )
     # same split on every rank: every rank holds the same number of trajectories
     order = list(range(len(trajectories)))
     minibatches = [order[i :: cfg.rl.num_minibatches] for i in range(cfg.rl.num_minibatches)]
@@ -680,6 +687,72 @@ def update_policy(
         model.update_expert_bias()
     for (row, turn), values in batch.kl_values.items():
         trajectories[row].info.setdefault("kl", {})[str(turn)] = values
+    if before is not None and batch.updated:
+        after = row_logprobs(model, rows, cfg, device)
+        batch.sums.add(**logprob_shift(rows, batch.hinted, batch.teachers, before, after, cfg))
+
+
+@torch.no_grad()
+def row_logprobs(
+    model: nn.Module, rows: dict[int, Row], cfg: TrainRecipe, device: torch.device
+) -> dict[int, Tensor]:
+    """Per row, the policy's logprob [T-1] of every next token under the sampled distribution
+    (``rl.measure_shift``: once before and once after the update)."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    r = cfg.rollout
+    try:
+        for k, row in rows.items():
+            ids_BT = torch.tensor([row.ids], device=device)
+            out[k] = token_logprobs(
+                model(ids_BT), ids_BT, r.temperature, top_k=r.top_k, top_p=r.top_p
+            )[0].cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def logprob_shift(
+    rows: dict[int, Row],
+    hinted: Sequence[HintedTurn],
+    teachers: Sequence[Tensor | None],
+    before: dict[int, Tensor],
+    after: dict[int, Tensor],
+    cfg: TrainRecipe,
+) -> dict[str, float]:
+    """Sums (over tokens) of how far the update moved the policy on hinted-turn tokens and on
+    every other generated token (``|logp_after - logp_before|``), and of how much more (or
+    less) likely the hinted teacher found the student's own tokens at the hinted turns
+    (``teacher logp - student logp`` before the update: negative = the teacher disprefers what
+    the student did there). Metrics ``shift/hinted``, ``shift/other``, ``teacher_minus_student``
+    are these sums over their token counts."""
+    hinted_pos = {(h.row, t) for h in hinted for t in h.student_targets}
+    sums = {"shift_hinted": 0.0, "shift_hinted_n": 0.0, "shift_other": 0.0, "shift_other_n": 0.0}
+    for k, row in rows.items():
+        delta = (after[k] - before[k]).abs()
+        for t, m in enumerate(row.trainable):
+            if t == 0 or not m:
+                continue
+            key = "shift_hinted" if (k, t) in hinted_pos else "shift_other"
+            sums[key] += float(delta[t - 1])
+            sums[key + "_n"] += 1.0
+    pref, n = 0.0, 0
+    for h, teacher in zip(hinted, teachers):
+        if teacher is None:
+            continue
+        ids = rows[h.row].ids
+        targets = torch.tensor([ids[t] for t in h.student_targets])
+        r = cfg.rollout
+        logp_t = sampling_logprobs(teacher, r.temperature, top_k=r.top_k, top_p=r.top_p)
+        picked = logp_t.gather(-1, targets[:, None])[:, 0]
+        student = torch.stack([before[h.row][t - 1] for t in h.student_targets])
+        finite = torch.isfinite(picked) & torch.isfinite(student)
+        pref += float((picked - student)[finite].sum())
+        n += int(finite.sum())
+    sums["teacher_minus_student"] = pref
+    sums["teacher_minus_student_n"] = float(n)
+    return sums
 
 
 class RLRun:
@@ -1143,6 +1216,13 @@ def _step_metrics(
     }
     if "ref_kl" in total:
         out["ref_kl"] = total["ref_kl"] / tokens
+    if total.get("shift_hinted_n", 0.0) > 0:
+        out["shift/hinted"] = total["shift_hinted"] / total["shift_hinted_n"]
+        out["shift/other"] = total["shift_other"] / max(total["shift_other_n"], 1.0)
+    if total.get("teacher_minus_student_n", 0.0) > 0:
+        out["teacher_minus_student"] = (
+            total["teacher_minus_student"] / total["teacher_minus_student_n"]
+        )
     for kind in ERROR_KINDS:
         out[f"err/{kind}"] = total[f"err/{kind}"] / turns
     for key in keys:
