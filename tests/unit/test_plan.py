@@ -220,7 +220,12 @@ def test_memory_comm_and_activations_by_hand():
     # every dim 0 divides by 4: a quarter of every dense weight, one of the four experts
     local = (TOTAL - EXPERT) // 4 + EXPERT // 4
     mem = est["memory"]
-    assert mem["parameters"] == mem["gradients"] == 4 * local == 4 * TOTAL // 4
+    # bf16 parameters and gradients, an fp32 master copy (the defaults real runs use)
+    assert mem["parameters"] == mem["gradients"] == 2 * local == 2 * TOTAL // 4
+    assert mem["master"] == 4 * local
+    lean = estimate(cfg, cluster, layout, PlanSettings(seq_len=8, master_dtype="none"))
+    assert lean["memory"]["master"] == 0
+    assert lean["memory"]["total"] == mem["total"] - 4 * local
     # Muon: one fp32 momentum; AdamW (embedding, head, router, norms): two fp32 moments
     assert mem["optimizer"] == 4 * MUON // 4 + 8 * (TOTAL - MUON) // 4
     # per token, bf16: attention 2 (2*16 + 8*4 + 2*2*4*1 + 4*4) + 4*4; dense FFN 2 (2*16 + 3*32);
@@ -231,8 +236,8 @@ def test_memory_comm_and_activations_by_hand():
     assert per_token["logits"] == 64 * (2 + 8) and per_token["checkpoints"] == 2 * 2 * 16
     assert mem["activations"] == 8 * (64 + 2 * 648 + 640)
     comm = est["comm"]
-    # FSDP: two bf16 all-gathers and one fp32 reduce-scatter of the dense weights, (n-1)/n each
-    assert comm["dense_fsdp"]["bytes"] == pytest.approx(3 / 4 * (TOTAL - EXPERT) * (2 + 2 + 4))
+    # FSDP: two bf16 all-gathers and one bf16 reduce-scatter of the dense weights, (n-1)/n each
+    assert comm["dense_fsdp"]["bytes"] == pytest.approx(3 / 4 * (TOTAL - EXPERT) * (2 + 2 + 2))
     # EP: 8 tokens x top-2 x 16 x 2 bytes per all-to-all, 3/4 to other ranks; dispatch and
     # combine in forward, recompute and backward: 6 calls
     assert comm["ep"]["collectives"] == 6

@@ -4,8 +4,11 @@ Given a model config (built on the meta device, so every parameter count and blo
 model's own), a cluster (``etude.plan.cluster``) and a layout (``etude.plan.layout``), estimate
 per GPU, for the dual mesh and for a single shared mesh:
 
-1. Memory: sharded parameters and gradients (``master_dtype``), optimizer state (Muon: one
-   momentum buffer; AdamW: two moments; ``optim_dtype``), FSDP buffers and activations.
+1. Memory in the precisions real runs use, each a setting: sharded parameters
+   (``param_dtype``, bf16 by default) and gradients (``grad_dtype``, bf16), the optimizer's
+   master weights (``master_dtype``, fp32; ``none`` when the parameters are the master copy),
+   optimizer state (Muon: one momentum buffer; AdamW: two moments; ``optim_dtype``, fp32), FSDP
+   buffers and activations.
 2. Bytes per training step on each mesh axis (FSDP all-gather and reduce-scatter on the dense
    and expert meshes, HSDP all-reduce across replicas, EP all-to-all of routed tokens, CP K/V
    all-gather) and their time at the axis' bandwidth (NVLink inside a node, the NIC across).
@@ -43,6 +46,9 @@ routing, tokens sent once per (token, expert) pair):
 
 - attention, per token: ``b (D + (H + 2 Hkv) Dh + 2 Hkv Dh cp + H Dh + D) + 4 H``
   (norm output, q/k/v, K/V all-gathered over cp, attention output, projection; fp32 logsumexp);
+  MLA: ``b (D + Cq + H Kqk + (C + Kr) cp + H (Kn + Kv) + H Kqk + H Kv + D) + 4 H`` (norm output,
+  q_a output, queries, the compressed latent and rotary key (what CP would gather), the
+  kv_b expansion, the keys with the shared rotary part, attention output, projection);
 - dense FFN: ``b (2 D + 3 F)``; MoE: ``b (3 D + 2 k D + 3 k F_e + 3 F_s) + 4 E + 12 k``
   (dispatched and returned copies, SwiGLU hidden of the k experts and the shared expert, fp32
   router scores, top-k weights and ids); plus the residual ``b D``;
@@ -53,8 +59,9 @@ routing, tokens sent once per (token, expert) pair):
 
 What this module does not model: pipeline parallelism, tensor parallelism, routing imbalance,
 the optimizer's bucket workspace (a few buckets of ``bucket_mb``), memory fragmentation,
-overlap of training communication with compute (times per axis are reported as if serial), and
-MLA attention (the ``kimi-k2`` preset has GQA in its place; see ``etude.model.config``).
+and overlap of training communication with compute (times per axis are reported as if
+serial). CP of an MLA model is costed as an all-gather of the compressed latent and rotary key
+(``C + Kr`` values per token); ``etude.parallel`` runs CP for GQA only.
 
 Legend: W ranks of one exchange group, G global ranks of the job (arrays ``x_W``, ``x_G``).
 """
@@ -97,8 +104,13 @@ class PlanSettings:
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype: gathered weights, activations, EP/CP payloads, Newton-Schulz and its
     all-to-all."""
-    master_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of the sharded parameters and of their gradients (FSDP reduces in it)."""
+    param_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Dtype of the sharded parameters FSDP holds and gathers (mixed precision: bf16)."""
+    grad_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Dtype of the sharded gradients (FSDP reduce-scatters and HSDP all-reduces in it)."""
+    master_dtype: Literal["fp32", "bf16", "none"] = "fp32"
+    """Dtype of the optimizer's master copy of the sharded parameters; ``none``: the
+    parameters themselves are the master copy (no extra memory)."""
     optim_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the optimizer state (Muon momentum, AdamW moments)."""
     activation_checkpointing: Literal["full", "none"] = "full"
@@ -117,7 +129,12 @@ class PlanSettings:
             raise ValueError(
                 f"plan.batch_tokens must be a positive integer or None, got {self.batch_tokens!r}"
             )
-        for name in ("dtype", "master_dtype", "optim_dtype"):
+        if self.master_dtype not in (*DTYPE_BYTES, "none"):
+            raise ValueError(
+                f"plan.master_dtype must be one of {', '.join(DTYPE_BYTES)}, none; got "
+                f"{self.master_dtype!r}"
+            )
+        for name in ("dtype", "param_dtype", "grad_dtype", "optim_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(
                     f"plan.{name} must be one of {', '.join(DTYPE_BYTES)}, got "
@@ -519,7 +536,19 @@ def activation_bytes_per_token(cfg: ModelConfig, layout: Layout, settings: PlanS
     """Per-token activation bytes of the formula in the module docstring."""
     b = DTYPE_BYTES[settings.dtype]
     D, H, Hkv, Dh = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    attention = b * (2 * D + (H + 2 * Hkv) * Dh + 2 * Hkv * Dh * layout.cp + H * Dh) + 4 * H
+    if cfg.attention == "mla":
+        qk, Kn, Kv = (
+            cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+            cfg.qk_nope_head_dim,
+            cfg.v_head_dim,
+        )
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        attention = b * (
+            2 * D + cfg.q_lora_rank + 2 * H * qk + latent * layout.cp + H * (Kn + Kv) + H * Kv
+        )
+        attention += 4 * H
+    else:
+        attention = b * (2 * D + (H + 2 * Hkv) * Dh + 2 * Hkv * Dh * layout.cp + H * Dh) + 4 * H
     dense = b * (2 * D + 3 * cfg.dense_ffn_dim)
     k, Fe = cfg.num_experts_per_tok, cfg.expert_ffn_dim
     Fs = Fe * cfg.num_shared_experts
@@ -547,8 +576,10 @@ def _memory(
     layout: Layout,
     settings: PlanSettings,
 ) -> dict[str, int]:
-    b_c = DTYPE_BYTES[settings.dtype]
-    b_m, b_o = DTYPE_BYTES[settings.master_dtype], DTYPE_BYTES[settings.optim_dtype]
+    b_c, b_p, b_g = (
+        DTYPE_BYTES[x] for x in (settings.dtype, settings.param_dtype, settings.grad_dtype)
+    )
+    b_m, b_o = DTYPE_BYTES.get(settings.master_dtype, 0), DTYPE_BYTES[settings.optim_dtype]
     local = sum(s.local_numel for s in shards)
     muon_local = sum(s.local_numel for r, s in zip(records, shards) if r.meta.optimizer == "muon")
     # FSDP units: each block's dense part and its (local, gathered over efsdp) experts, the
@@ -568,12 +599,13 @@ def _memory(
     else:
         act = per_token["all_layers"] + per_token["largest_layer"]
     out = {
-        "parameters": local * b_m,
-        "gradients": local * b_m,
+        "parameters": local * b_p,
+        "master": local * b_m,
+        "gradients": local * b_g,
         "optimizer": muon_local * b_o + (local - muon_local) * 2 * b_o,
         # the unit in use and the one prefetched (compute dtype), and one unit's unsharded
         # gradients before their reduce-scatter
-        "fsdp_buffers": largest_unit * (2 * b_c + b_m),
+        "fsdp_buffers": largest_unit * (2 * b_c + b_g),
         "activations": tokens * (act + per_token["logits"]),
     }
     out["total"] = sum(out.values())
@@ -588,7 +620,7 @@ def _train_comm(
     settings: PlanSettings,
     num_micro: int,
 ) -> dict[str, dict[str, Any]]:
-    b_c, b_r = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.master_dtype]
+    b_c, b_r = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_dtype]
     dense = sum(r.numel for r in records if not r.is_expert)
     expert = sum(r.numel for r in records if r.is_expert)
     num_units = cfg.num_layers + 2
@@ -655,7 +687,10 @@ def _train_comm(
     n = layout.cp
     # K/V all-gather in forward (and recompute), reduce-scatter of dK/dV in backward
     passes = 3 if full_ac else 2
-    chunk = tokens * 2 * cfg.num_kv_heads * cfg.head_dim * b_c
+    if cfg.attention == "mla":  # the compressed latent and the shared rotary key
+        chunk = tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * b_c
+    else:
+        chunk = tokens * 2 * cfg.num_kv_heads * cfg.head_dim * b_c
     calls = num_micro * cfg.num_layers * passes
     add("cp", "CP K/V all-gather + reduce-scatter", calls * (n - 1) * chunk, calls, "ring")
     return out
@@ -688,12 +723,15 @@ def _muon_step(
     # writes the momentum and reads it again (Nesterov), writes the update and reads the
     # orthogonal result back (NS dtype), reads and writes the parameter; AdamW reads the
     # gradient, reads and writes both moments and the parameter
-    b_c, b_m = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.master_dtype]
-    b_o = DTYPE_BYTES[settings.optim_dtype]
+    # with a master copy the update is applied to it and the parameters are rewritten from it
+    b_c, b_g = DTYPE_BYTES[settings.dtype], DTYPE_BYTES[settings.grad_dtype]
+    b_p, b_o = DTYPE_BYTES[settings.param_dtype], DTYPE_BYTES[settings.optim_dtype]
+    b_m = DTYPE_BYTES.get(settings.master_dtype, 0)
+    update = 2 * b_m + b_p if b_m else 2 * b_p
     muon_local = sum(s.local_numel for r, s in zip(records, shards) if r.meta.optimizer == "muon")
     adamw_local = sum(s.local_numel for s in shards) - muon_local
-    stream = muon_local * (2 * b_m + 3 * b_o + 2 * b_c + 2 * b_m)
-    stream += adamw_local * (b_m + 4 * b_o + 2 * b_m)
+    stream = muon_local * (2 * b_g + 3 * b_o + 2 * b_c + update)
+    stream += adamw_local * (b_g + 4 * b_o + update)
     elementwise = stream / (cluster.hbm_bw * cluster.hbm_efficiency)
     compute, comm = float(compute_G.max()), float(comm_G.max())
     # perfect balance: dense work spread over its FSDP group, expert work over efsdp x ep
@@ -763,11 +801,16 @@ def estimate(
         active += expert // cfg.num_experts * cfg.num_experts_per_tok
     full_ac = settings.activation_checkpointing == "full"
     tokens_per_gpu = batch_tokens / layout.num_gpus
-    # 6 N per token for forward + backward (2 more with recompute), attention 2 H Dh T per
-    # token and layer forward (causal: half of the 4 H Dh T of QK^T and AV), times 3 or 4
+    # 6 N per token for forward + backward (2 more with recompute), attention H (Kqk + Kv) T
+    # per token and layer forward (causal: half of the 2 H (Kqk + Kv) T of QK^T and AV; GQA
+    # has Kqk = Kv = Dh), times 3 or 4
     per_token = (8 if full_ac else 6) * (active - embedding)
+    if cfg.attention == "mla":
+        qk_plus_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    else:
+        qk_plus_v = 2 * cfg.head_dim
     per_token += (
-        (4 if full_ac else 3) * 2 * cfg.num_heads * cfg.head_dim * settings.seq_len * cfg.num_layers
+        (4 if full_ac else 3) * cfg.num_heads * qk_plus_v * settings.seq_len * cfg.num_layers
     )
     train_flops = tokens_per_gpu * per_token
     return {

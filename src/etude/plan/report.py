@@ -5,8 +5,12 @@
 ``format_plan``'s table, optionally writing every number to JSON. ``python -m
 etude.plan.report ...`` runs the same command without the rest of the CLI.
 
-What this module does not do: compute anything itself (``etude.plan.cost`` does), or pick a
-layout for you: it evaluates the one given (``docs/plan.md`` shows how to compare several).
+With no layout flag (``--dp-replicate``, ``--dp-shard``, ``--cp``, ``--ep``,
+``--expert-replicate``) it searches the layouts of ``--gpus`` instead (``etude.plan.search``) and
+prints the best few by step time and why the others were ruled out.
+
+What this module does not do: compute anything itself (``etude.plan.cost`` and
+``etude.plan.search`` do).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def format_plan(result: dict[str, Any], *, model_name: str = "model") -> str:
         f"{dual['muon']['num_blocks']:,} Muon blocks (meta-device build)",
         f"step: {batch['batch_tokens']:,} tokens = {batch['micro_batches']} micro-batch(es) of "
         f"{settings['micro_batch_size']} x {settings['seq_len']} tokens per data-parallel rank; "
-        f"{settings['dtype']} compute, {settings['master_dtype']} parameters and gradients, "
+        f"{settings['dtype']} compute, {settings['param_dtype']} parameters, "
+        f"{settings['grad_dtype']} gradients, {settings['master_dtype']} master weights, "
         f"{settings['optim_dtype']} optimizer state, activation checkpointing "
         f"{settings['activation_checkpointing']}, {settings['ns_steps']} Newton-Schulz steps",
         "",
@@ -99,8 +104,9 @@ def format_plan(result: dict[str, Any], *, model_name: str = "model") -> str:
     lines.append(f"  {label:<38}" + "".join(f"{v:<{width}}" for v in minimum).rstrip())
     lines.append("memory per GPU (GiB)")
     for key, label in (
-        ("parameters", f"parameters ({settings['master_dtype']}, sharded)"),
-        ("gradients", f"gradients ({settings['master_dtype']}, sharded)"),
+        ("parameters", f"parameters ({settings['param_dtype']}, sharded)"),
+        ("master", f"master weights ({settings['master_dtype']}, sharded)"),
+        ("gradients", f"gradients ({settings['grad_dtype']}, sharded)"),
         ("optimizer", f"optimizer state ({settings['optim_dtype']})"),
         ("fsdp_buffers", "FSDP gather/reduce buffers"),
         ("activations", "activations"),
@@ -163,36 +169,50 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.matmul_efficiency is not None:
         overrides["matmul_efficiency"] = args.matmul_efficiency
     cluster = ClusterConfig.preset(args.gpu, args.gpus, **overrides)
-    layout = Layout.for_gpus(
-        args.gpus,
-        dp_replicate=args.dp_replicate,
-        dp_shard=args.dp_shard,
-        cp=args.cp,
-        ep=args.ep,
-        expert_replicate=args.expert_replicate,
-    )
     settings = PlanSettings(
         seq_len=args.seq_len,
         batch_tokens=args.batch_tokens,
         micro_batch_size=args.micro_batch,
         ns_steps=args.ns_steps,
         dtype=args.dtype,
+        param_dtype=args.param_dtype,
+        grad_dtype=args.grad_dtype,
         master_dtype=args.master_dtype,
         optim_dtype=args.optim_dtype,
         activation_checkpointing=args.activation_checkpointing,
         bucket_mb=args.bucket_mb,
     )
+    flags = (args.dp_replicate, args.dp_shard, args.cp, args.ep, args.expert_replicate)
+    if all(flag is None for flag in flags):
+        from etude.plan.search import format_search, search_layouts
+
+        result = search_layouts(cfg, cluster, settings)
+        print(format_search(result, model_name=args.config, gpu=args.gpu))
+        if args.json:
+            _write_json(Path(args.json), result)
+        return 0
+    layout = Layout.for_gpus(
+        args.gpus,
+        dp_replicate=1 if args.dp_replicate is None else args.dp_replicate,
+        dp_shard=args.dp_shard,
+        cp=1 if args.cp is None else args.cp,
+        ep=1 if args.ep is None else args.ep,
+        expert_replicate=args.expert_replicate,
+    )
     result = plan(cfg, cluster, layout, settings)
     result["model"]["name"] = args.config
     print(format_plan(result, model_name=args.config))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=2, default=float)
-        os.replace(tmp, out)
+        _write_json(Path(args.json), result)
     return 0
+
+
+def _write_json(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=2, default=float)
+    os.replace(tmp, out)
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -211,12 +231,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's 8)"
     )
     sp.add_argument("--gpu", choices=("h100", "h200"), default="h100", help="GPU preset")
-    sp.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (dense mesh)")
+    sp.add_argument(
+        "--dp-replicate", type=int, default=None, help="HSDP replicas (dense mesh; default 1)"
+    )
     sp.add_argument(
         "--dp-shard", type=int, default=None, help="FSDP shards (default: GPUs left over)"
     )
-    sp.add_argument("--cp", type=int, default=1, help="context-parallel degree")
-    sp.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    sp.add_argument("--cp", type=int, default=None, help="context-parallel degree (default 1)")
+    sp.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default 1)")
     sp.add_argument(
         "--expert-replicate",
         type=int,
@@ -241,10 +263,16 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="compute, communication and Newton-Schulz dtype",
     )
     sp.add_argument(
+        "--param-dtype", choices=("bf16", "fp32"), default="bf16", help="sharded parameters"
+    )
+    sp.add_argument(
+        "--grad-dtype", choices=("bf16", "fp32"), default="bf16", help="sharded gradients"
+    )
+    sp.add_argument(
         "--master-dtype",
-        choices=("fp32", "bf16"),
+        choices=("fp32", "bf16", "none"),
         default="fp32",
-        help="sharded parameters and gradients",
+        help="the optimizer's master weights (none: the parameters are the master copy)",
     )
     sp.add_argument(
         "--optim-dtype", choices=("fp32", "bf16"), default="fp32", help="optimizer state"
