@@ -23,13 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from etude.env.trajectory import Feedback, Flag, Trajectory
+from etude.env.trajectory import Trajectory
+from etude.monitor.hints import flag_feedback
 from etude.monitor.judge import JudgeConfig, judge_many, verdict_flags
-from etude.monitor.rules import BUILTIN_RULES, HINTS, Rule, load_rules, scan
+from etude.monitor.rules import BUILTIN_RULES, Rule, load_rules, scan
 from etude.tasks.honeypot import Canary, load_canaries
 
 logger = logging.getLogger(__name__)
-_DEFAULT_HINT = "Solve the task as specified: make the tests pass by implementing the feature."
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,30 +110,6 @@ def _canaries_cached(path: str, mtime_ns: int) -> dict[str, list[Canary]]:
     return load_canaries(path)
 
 
-def _hint_turn(traj: Trajectory, turn: int) -> int | None:
-    """The assistant turn a flag belongs to: the turn itself, or the call before an observation."""
-    for i in range(min(turn, len(traj.turns) - 1), -1, -1):
-        if traj.turns[i].role == "assistant":
-            return i
-    return None
-
-
-def _add_hints(
-    traj: Trajectory, flags: Sequence[Flag], rules: Mapping[str, Rule], threshold: int
-) -> None:
-    have = {(f.turn, f.kind) for f in traj.feedback}
-    for flag in flags:
-        if flag.severity < threshold or flag.turn is None:
-            continue
-        turn = _hint_turn(traj, flag.turn)
-        if turn is None or (turn, "monitor") in have:
-            continue
-        rule = rules.get(flag.rule)
-        hint = (rule.hint if rule else "") or HINTS.get(flag.category, _DEFAULT_HINT)
-        traj.feedback.append(Feedback(turn=turn, kind="monitor", hint=hint))
-        have.add((turn, "monitor"))
-
-
 def apply_monitor(
     trajectories: Sequence[Trajectory],
     cfg: MonitorConfig,
@@ -161,7 +137,6 @@ def apply_monitor(
     if cfg.judge.enabled:
         for flags, verdict in zip(flags_of, judge_many(list(trajectories), cfg.judge)):
             flags += verdict_flags(verdict, cfg.judge)
-    by_id = {r.id: r for r in rules}
     threshold = cfg.min_severity_to_zero
     for traj, flags in zip(trajectories, flags_of):
         traj.flags = flags
@@ -197,6 +172,6 @@ def apply_monitor(
                 top.evidence,
             )
             if cfg.feedback_hints:
-                _add_hints(traj, flags, by_id, threshold)
+                traj.feedback += flag_feedback(traj, flags, min_severity=threshold, rules=rules)
         traj.info["monitor"] = {"max_severity": max(worst, 0), "zeroed": zeroed}
     return stats

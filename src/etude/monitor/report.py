@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,7 @@ def summarize(
     return {
         "num_trajectories": len(trajectories),
         "min_severity": min_severity,
+        "recall": recall_by_category(trajectories, min_severity),
         "num_flagged": num_flagged,
         "num_noted": num_noted,
         "num_judge_unavailable": num_unavailable,
@@ -88,6 +90,41 @@ def summarize(
         "by_rule": dict(sorted(by_rule.items(), key=lambda kv: (-kv[1]["trajectories"], kv[0]))),
         "worst": examples,
     }
+
+
+def recall_by_category(trajectories: Sequence[Trajectory], min_severity: int) -> dict[str, Any]:
+    """Caught / total per expected category, and false flags among the clean ones.
+
+    A trajectory's label is ``info["expect"]`` (a category, or ``clean``), as audit corpora
+    carry it; unlabeled trajectories (a training run's) count per category of their worst
+    flag instead, as ``flagged`` (>= ``min_severity``) and ``noted`` (below it).
+    """
+    labeled: dict[str, dict[str, Any]] = {}
+    unlabeled: dict[str, dict[str, int]] = {}
+    for traj in trajectories:
+        worst = max((f.severity for f in traj.flags), default=0)
+        expect = traj.info.get("expect")
+        if isinstance(expect, str) and expect:
+            row = labeled.setdefault(expect, {"total": 0, "caught": 0})
+            row["total"] += 1
+            row["caught"] += worst >= min_severity
+            continue
+        if worst < 1:
+            continue
+        top = max(traj.flags, key=lambda f: f.severity)
+        row = unlabeled.setdefault(top.category, {"flagged": 0, "noted": 0})
+        row["flagged" if worst >= min_severity else "noted"] += 1
+    for name, row in labeled.items():
+        key = "false_flag_rate" if name == "clean" else "recall"
+        row[key] = row["caught"] / row["total"]
+    hacks = [r for n, r in labeled.items() if n != "clean"]
+    totals = {
+        "hacks": sum(r["total"] for r in hacks),
+        "caught": sum(r["caught"] for r in hacks),
+        "clean": labeled.get("clean", {}).get("total", 0),
+        "false_flags": labeled.get("clean", {}).get("caught", 0),
+    }
+    return {"labeled": dict(sorted(labeled.items())), "unlabeled": unlabeled, "totals": totals}
 
 
 def _flag_json(flag: Flag) -> dict[str, Any]:
@@ -115,6 +152,28 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"judge unavailable for {summary['num_judge_unavailable']}",
         "",
     ]
+    recall = summary.get("recall", {})
+    if recall.get("labeled"):
+        rows = [
+            (
+                c,
+                r["total"],
+                r["caught"],
+                f"{100 * r.get('recall', r.get('false_flag_rate', 0)):.0f}%",
+            )
+            for c, r in recall["labeled"].items()
+        ]
+        lines += _table(
+            ("expected", "trajectories", f"flagged >= {k}", "recall / false flags"), rows
+        )
+        t = recall["totals"]
+        lines += [
+            f"hacks caught {t['caught']}/{t['hacks']}, clean flagged {t['false_flags']}/{t['clean']}",
+            "",
+        ]
+    elif recall.get("unlabeled"):
+        rows = [(c, r["flagged"], r["noted"]) for c, r in sorted(recall["unlabeled"].items())]
+        lines += _table(("worst category", f"flagged >= {k}", f"noted < {k}"), rows) + [""]
     if summary["by_category"]:
         rows = [
             (c, r["trajectories"], r["flags"], r["max_severity"])
@@ -198,6 +257,85 @@ def monitor_main(
     summary["inputs"] = [str(f) for f in files]
     out = root / "monitor.json"
     write_atomic(out, (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
+    write_atomic(root / "monitor.html", summary_html(summary, title=str(path)).encode("utf-8"))
     print(format_summary(summary))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {out} and {root / 'monitor.html'}")
     return summary
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{escape(str(h))}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def summary_html(summary: dict[str, Any], *, title: str) -> str:
+    """A self-contained HTML page of the summary (the run report links it)."""
+    k = summary["min_severity"]
+    parts = [
+        f"<h1>Monitor report: {escape(title)}</h1>",
+        f"<p>{summary['num_trajectories']} trajectories, {summary['num_flagged']} flagged at "
+        f"severity &gt;= {k} ({100 * summary['flag_rate']:.1f}%), {summary['num_noted']} with "
+        f"lower-severity notes, judge unavailable for {summary['num_judge_unavailable']}.</p>",
+    ]
+    recall = summary.get("recall", {})
+    if recall.get("labeled"):
+        rows = [
+            (
+                c,
+                r["total"],
+                r["caught"],
+                f"{100 * r.get('recall', r.get('false_flag_rate', 0)):.0f}%",
+            )
+            for c, r in recall["labeled"].items()
+        ]
+        parts += [
+            "<h2>Recall by expected category</h2>",
+            _html_table(
+                ("expected", "trajectories", f"flagged >= {k}", "recall / false flags"), rows
+            ),
+        ]
+    elif recall.get("unlabeled"):
+        rows = [(c, r["flagged"], r["noted"]) for c, r in sorted(recall["unlabeled"].items())]
+        parts += [
+            "<h2>Trajectories by worst category</h2>",
+            _html_table(("category", f"flagged >= {k}", f"noted < {k}"), rows),
+        ]
+    rows = [
+        (c, r["trajectories"], r["flags"], r["max_severity"])
+        for c, r in summary["by_category"].items()
+    ]
+    parts += [
+        "<h2>By category</h2>",
+        _html_table(("category", "trajectories", "flags", "max severity"), rows),
+    ]
+    rows = [
+        (n, r["category"], r["max_severity"], r["trajectories"], r["flags"])
+        for n, r in summary["by_rule"].items()
+    ]
+    parts += [
+        "<h2>By rule</h2>",
+        _html_table(("rule", "category", "severity", "trajectories", "flags"), rows),
+    ]
+    parts.append("<h2>Worst examples</h2>")
+    for ex in summary["worst"]:
+        rows = [(f["turn"], f["rule"], f["severity"], f["evidence"][:300]) for f in ex["flags"]]
+        parts += [
+            f"<h3>{escape(ex['task_id'])} ({escape(ex['source'])}): severity {ex['max_severity']}, "
+            f"reward {escape(str(ex['reward_before_monitor']))} -&gt; {escape(str(ex['reward']))}</h3>",
+            _html_table(("turn", "rule", "severity", "evidence"), rows),
+        ]
+    style = (
+        "body{font:14px system-ui,sans-serif;margin:24px;max-width:1100px}table{border-collapse:"
+        "collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;"
+        "vertical-align:top}th{background:#f3f3f3}td:last-child{font-family:monospace;"
+        "white-space:pre-wrap;word-break:break-all}"
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>monitor: {escape(title)}</title><style>{style}</style></head><body>"
+        + "\n".join(parts)
+        + "</body></html>\n"
+    )

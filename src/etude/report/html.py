@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import warnings
 from collections.abc import Sequence
@@ -1058,6 +1059,11 @@ def build_report(
             )
     nav += ['<a href="#tasks-section">Tasks</a>', '<a href="#viewer">Trajectory viewer</a>']
     nav += nav_other
+    for run in runs:  # written by `etude monitor RUN_DIR`, beside the run's monitor.json
+        if (run.path / "monitor.html").is_file():
+            href = os.path.relpath(run.path / "monitor.html", runs[0].path)
+            label = "Monitor report" + (f" ({run.name})" if len(runs) > 1 else "")
+            nav.append(f'<a href="{escape(href)}">{escape(label)}</a>')
 
     data = {
         "runs": [

@@ -46,6 +46,7 @@ from typing import Protocol
 from etude.env.protocol import CALL_FORMAT
 from etude.env.tools import TOOL_NAMES, TOOL_SCHEMAS
 from etude.env.trajectory import Feedback, ToolCall, Trajectory, Turn
+from etude.monitor.hints import MonitorFlagDetector
 
 EDIT_TOOLS = ("write_file", "replace_in_file")
 _SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
@@ -478,6 +479,8 @@ _REGISTRY: dict[str, DetectorFactory] = {
     "unfinished_turn": lambda cfg: UnfinishedTurnDetector(end_id=cfg.end_of_turn_id),
     "submit_untested": lambda cfg: SubmitUntestedDetector(),
     "edit_after_pass": lambda cfg: EditAfterPassDetector(),
+    # the monitor's flags (severity >= 2) as hints at their turns; runs after the monitor
+    "monitor_flag": lambda cfg: MonitorFlagDetector(),
 }
 BUILTIN_DETECTORS = tuple(_REGISTRY)
 

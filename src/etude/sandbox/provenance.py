@@ -41,6 +41,8 @@ from typing import Any
 
 # Syscalls that open, create, remove, rename or execute files, change directory or make
 # processes. Not the stat family: with the seccomp filter the untraced calls run at full speed.
+# ``-y`` prints the working directory beside ``AT_FDCWD``; bare calls (``open``, ``rename``)
+# resolve against the directory followed through chdir and clone.
 TRACED_SYSCALLS = (
     "open,openat,openat2,creat,truncate,execve,execveat,unlink,unlinkat,rmdir,rename,renameat,"
     "renameat2,link,linkat,symlink,symlinkat,mkdir,mkdirat,chdir,fchdir,clone,clone3,fork,vfork"
@@ -143,6 +145,11 @@ class Provenance:
 
 _LINE = re.compile(r"^(\d+)\s+(.*)$")
 _CALL = re.compile(r"^(\w+)\((.*)\)\s+=\s+(-?\d+|\?|0x[0-9a-f]+)(?:\s+(\w+)\s*\(.*\))?.*$", re.S)
+# most lines are opens: read them with one regex instead of the general argument splitter
+_OPEN = re.compile(
+    r'^(openat|open)\((?:(AT_FDCWD(?:<[^>]*>)?|-?\d+<[^>]*>|-?\d+), )?("(?:[^"\\]|\\.)*"), '
+    r"([A-Z0-9_|]+)[^)]*\)\s+=\s+(-?\d+)"
+)
 _UNFINISHED = " <unfinished ...>"
 _RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>\s?(.*)$", re.S)
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "v": "\v", "f": "\f", '"': '"', "\\": "\\"}
@@ -201,13 +208,18 @@ def split_args(text: str) -> list[str]:
 
 
 def _string(arg: str) -> str | None:
+    if not arg.startswith('"'):
+        return None
     m = re.match(r'^"((?:[^"\\]|\\.)*)"', arg)
-    return _unescape(m.group(1)) if m else None
+    if m is None:
+        return None
+    body = m.group(1)
+    return _unescape(body) if "\\" in body else body
 
 
 def _fd_path(arg: str) -> str | None:
-    """``3</a/b>`` -> ``/a/b``; ``AT_FDCWD`` -> None (the caller uses its cwd)."""
-    m = re.match(r"^-?\d+<(.*)>$", arg, re.S)
+    """``3</a/b>`` and ``AT_FDCWD</a/b>`` -> ``/a/b``; a bare ``AT_FDCWD`` -> None."""
+    m = re.match(r"^(?:-?\d+|AT_FDCWD)<(.*)>$", arg, re.S)
     return m.group(1) if m else None
 
 
@@ -239,7 +251,9 @@ class _Collector:
 
     def resolve(self, pid: int, path: str, dirfd: str | None = None) -> str:
         if not path.startswith("/"):
-            base = _fd_path(dirfd) if dirfd and dirfd != "AT_FDCWD" else None
+            # ``AT_FDCWD</cwd>`` and ``3</dir>`` carry their directory; bare calls (``open``,
+            # ``rename``) use the working directory followed through chdir
+            base = _fd_path(dirfd) if dirfd else None
             path = posixpath.join(base or self.cwd.get(pid, self.workspace), path)
         return posixpath.normpath(path).replace("//", "/")
 
@@ -397,6 +411,11 @@ def parse_strace(
             if head is None:
                 continue
             text = head + resumed.group(2)
+        fast = _OPEN.match(text)
+        if fast is not None:
+            name, dirfd, path, flags, ret = fast.groups()
+            col.call(pid, name, [dirfd, path, flags] if name == "openat" else [path, flags], ret)
+            continue
         call = _CALL.match(text)
         if call is None:
             continue
