@@ -298,6 +298,45 @@ def test_disconnecting_client_leaves_no_stuck_request(server):
     assert row == ("disconnected",)
 
 
+def _wait_idle(server) -> dict:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        health = server.client.get("/health").json()
+        if health["running"] == 0 and health["waiting"] == 0:
+            return health
+        time.sleep(0.1)
+    return health
+
+
+def test_non_streaming_client_that_hangs_up_is_aborted(server):
+    body = json.dumps({"prompt": [8, 9], "max_tokens": 3000, "tier": "standard"}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    before = sqlite3.connect(server.ledger).execute("SELECT COUNT(*) FROM usage").fetchone()[0]
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(head + body)
+        deadline = time.time() + 10
+        while server.client.get("/health").json()["running"] == 0 and time.time() < deadline:
+            time.sleep(0.05)
+    health = _wait_idle(server)
+    assert health["running"] == 0 and health["waiting"] == 0 and health["engine_alive"]
+    deadline = time.time() + 10
+    rows = []
+    while not rows and time.time() < deadline:
+        rows = (
+            sqlite3.connect(server.ledger)
+            .execute(
+                "SELECT status, completion_tokens FROM usage ORDER BY id LIMIT -1 OFFSET ?",
+                (before,),
+            )
+            .fetchall()
+        )
+        time.sleep(0.1)
+    assert rows and rows[0][0] == "disconnected" and rows[0][1] < 3000
+
+
 def test_weight_reload_serves_the_new_checkpoint_and_kill_9_keeps_every_reported_row(run_dir):
     srv = Server(run_dir, "reload")
     try:

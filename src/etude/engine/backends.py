@@ -82,8 +82,9 @@ def load_weights(model: nn.Module, source: str | os.PathLike[str] | Mapping[str,
     """Load ``source`` into ``model`` (strict).
 
     ``source``: a state dict; a ``.safetensors`` file; an export directory (``model.safetensors``);
-    a run directory (``export/model.safetensors``); or a DCP checkpoint directory (``step_N``
-    with ``extra.json``).
+    a run directory (``export/model.safetensors``); a DCP checkpoint directory (``step_N``
+    with ``extra.json``); or a Hugging Face checkpoint directory (``config.json`` with
+    ``architectures``), converted by ``etude.parallel.checkpoint.load_hf_checkpoint``.
     """
     if isinstance(source, Mapping):
         try:
@@ -99,6 +100,11 @@ def load_weights(model: nn.Module, source: str | os.PathLike[str] | Mapping[str,
         if (path / "extra.json").is_file():
             load_checkpoint(path, model)
             return
+        if _is_hf_dir(path):
+            from etude.parallel.checkpoint import load_hf_checkpoint
+
+            load_hf_checkpoint(model, path)
+            return
         for candidate in candidates:
             if candidate.is_file() and candidate.suffix == ".safetensors":
                 load_safetensors(model, candidate)
@@ -107,8 +113,19 @@ def load_weights(model: nn.Module, source: str | os.PathLike[str] | Mapping[str,
         raise ValueError(f"weights at {path} do not fit the served model: {error}") from None
     raise ValueError(
         f"no weights at {path}: pass a .safetensors file, an export or run directory (with "
-        "model.safetensors or export/model.safetensors) or a checkpoint step directory"
+        "model.safetensors or export/model.safetensors), a checkpoint step directory or a "
+        "Hugging Face checkpoint directory"
     )
+
+
+def _is_hf_dir(path: Path) -> bool:
+    import json
+
+    config = path / "config.json"
+    try:
+        return config.is_file() and "architectures" in json.loads(config.read_text())
+    except ValueError:
+        return False
 
 
 class EngineBackend:

@@ -290,6 +290,10 @@ class ServeApp:
         params: SamplingParams,
         tier: Tier,
     ) -> tuple[asyncio.Queue, Ticket]:
+        if not self.loop.alive:
+            raise BadRequest(
+                "the engine thread has stopped; restart the server", 503, "server_error"
+            )
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         ticket = self.loop.submit(
@@ -328,19 +332,31 @@ class ServeApp:
         self.metrics.cost.labels(tier.name).inc(float(usage["cost"]["total_usd"]))
         return usage
 
+    async def bill_async(self, **fields: Any) -> dict[str, Any]:
+        """`bill` on a worker thread: the commit (an fsync) does not stall the event loop, and
+        the caller still answers only after it."""
+        return await asyncio.to_thread(lambda: self.bill(**fields))
+
     async def collect(
         self, request: Request, events: asyncio.Queue, ticket: Ticket
     ) -> tuple[list[int], list[float], Any]:
         """Wait for the whole generation; abort it when the client goes away."""
         ids: list[int] = []
         logprobs: list[float] = []
+        checked = time.monotonic()
         while True:
+            item = None
             try:
                 item = await asyncio.wait_for(events.get(), timeout=0.25)
             except TimeoutError:
+                pass
+            # tokens may arrive faster than the timeout: check the client on a clock
+            if item is None or time.monotonic() - checked > 0.25:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     self.loop.abort(ticket)
                     return ids, logprobs, None
+            if item is None:
                 continue
             if isinstance(item, BaseException):
                 raise item

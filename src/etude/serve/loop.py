@@ -61,6 +61,10 @@ class EngineLoop:
         """Requests the engine holds (running or waiting) after the last command or step."""
         return self.num_running + self.num_waiting
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def start(self) -> None:
         self._thread.start()
 

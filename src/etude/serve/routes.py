@@ -71,12 +71,12 @@ def routes(state: ServeApp) -> list[tuple[str, Handler, list[str]]]:
             )
         ids, logprobs, gen = await state.collect(request, events, ticket)
         if gen is None:  # the client went away: bill what was generated, answer nobody
-            state.bill(
+            await state.bill_async(
                 request_id=request_id, key=key, endpoint="completions", tier=tier,
                 status="disconnected", prompt=len(prompt_ids), completion=len(ids),
             )  # fmt: skip
             return Response(status_code=499)
-        usage = state.bill(
+        usage = await state.bill_async(
             request_id=request_id, key=key, endpoint="completions", tier=tier, status="ok",
             prompt=len(prompt_ids), completion=len(gen.token_ids),
         )  # fmt: skip
@@ -117,12 +117,12 @@ def routes(state: ServeApp) -> list[tuple[str, Handler, list[str]]]:
         events, ticket = await state.run(request, prompt_ids, params, tier)
         ids, logprobs, gen = await state.collect(request, events, ticket)
         if gen is None:
-            state.bill(
+            await state.bill_async(
                 request_id=request_id, key=key, endpoint="chat", tier=tier,
                 status="disconnected", prompt=len(prompt_ids), completion=len(ids),
             )  # fmt: skip
             return Response(status_code=499)
-        usage = state.bill(
+        usage = await state.bill_async(
             request_id=request_id, key=key, endpoint="chat", tier=tier, status="ok",
             prompt=len(prompt_ids), completion=len(gen.token_ids),
         )  # fmt: skip
@@ -178,6 +178,7 @@ def routes(state: ServeApp) -> list[tuple[str, Handler, list[str]]]:
                 "running": state.loop.num_running,
                 "waiting": state.loop.num_waiting,
                 "failed_steps": state.loop.num_failed_steps,
+                "engine_alive": state.loop.alive,
             }
         )
 
@@ -244,7 +245,7 @@ async def _stream(
             }
             chunk: dict[str, Any] = {**base, "choices": [choice]}
             if gen is not None:
-                chunk["usage"] = state.bill(
+                chunk["usage"] = await state.bill_async(
                     request_id=base["id"], key=key, endpoint="completions", tier=tier,
                     status="ok", prompt=len(prompt_ids), completion=len(gen.token_ids),
                 )  # fmt: skip
