@@ -106,6 +106,7 @@ def test_agent_features_become_agent_deletion_tasks(tmp_path, endpoint):
     repo = write_mini_repo(tmp_path / "repo")
     cfg = TaskBuildConfig(
         workers=2,
+        min_difficulty=0.0,  # the mini repository's functions are one-liners
         proposals=ProposalConfig(min_lines=2, include=("nothing.from.the.miner",), modules=False),
         agent=AgentDeleterConfig(enabled=True, base_url=endpoint, model="m"),
     )

@@ -30,13 +30,17 @@ from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.mine import ProposalConfig
 from etude.tasks.record import resolve_workspace
 from etude.tasks.sanitize import (
+    LeakMaterial,
     distinctive_material,
     export_tree,
     find_installed_copies,
     fresh_git_repo,
+    identifiers,
     leak_scan,
+    ngrams,
     run_git,
     skip_reason,
+    tree_files,
     workspace_head,
 )
 from etude.tasks.validate import record_leak_material
@@ -428,3 +432,39 @@ def test_scan_finds_each_channel_forced_in(planted, channel, tmp_path):
             assert all(h["path"].startswith(rel) for h in scan["hits"]), scan["hits"]
         else:
             assert scan["clean"], (channel, symbol, scan["hits"])
+
+
+def test_nothing_distinctive_left_is_not_clean(tmp_path):
+    """Deleted code whose every line and n-gram is elsewhere in the tree: a copy, not clean."""
+    (tmp_path / "copy.py").write_text("def helper_total(values):\n    return sum(values)\n")
+    deleted = "def helper_total(values):\n    return sum(values)\n"
+    material = distinctive_material(deleted, [], tree_files(tmp_path))
+    assert not material.lines and not material.ngrams and material.candidate_ngrams
+    scan = leak_scan(tmp_path, material)
+    assert not scan["clean"] and scan["nothing_distinctive"]
+    assert scan["hits"][0]["kind"] == "nothing distinctive"
+
+
+def test_binary_git_objects_and_binary_files_give_no_chance_ngram_hits(tmp_path):
+    """Identifiers that occur by chance in binary bytes (tree ids, hashes) are no leak: git
+    objects are read as git decodes them, binary data only for whole lines."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    names = [f"m{i}.py" for i in range(40)]
+    for name in names:
+        (ws / name).write_text(f"value = {name!r}\n")
+    fresh_git_repo(ws)
+    tree_id = run_git(["rev-parse", "HEAD^{tree}"], ws).decode().strip()
+    raw_tree = run_git(["cat-file", "tree", tree_id], ws).decode("utf-8", "replace")
+    words = {w for name in names for w in identifiers(name)}
+    chance = {g for g in ngrams(identifiers(raw_tree), 2) if not set(g) & words}
+    assert chance  # 40 binary ids of 20 bytes hold identifier-like runs
+    binary = bytes(range(256)) + b" pq xr " + bytes(range(256))
+    (ws / "image.bin").write_bytes(binary)
+    material = LeakMaterial(
+        lines=(), ngrams=frozenset({("pq", "xr"), *chance}), n=2, min_line_chars=16
+    )
+    scan = leak_scan(ws, material)
+    assert scan["clean"], scan["hits"]
+    (ws / "notes.txt").write_text("pq xr\n")  # the same identifiers in text are a hit
+    assert not leak_scan(ws, material)["clean"]

@@ -17,6 +17,7 @@ What this module does not do: choose features (``etude.tasks.mine``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping
@@ -89,6 +90,16 @@ class Baseline:
     """Wall-clock seconds of the baseline's sandboxed runs."""
     output: str = ""
     """The end of the coverage run's pytest output (for error messages)."""
+    plain_seconds: tuple[float, ...] = ()
+    """Wall-clock seconds of each plain (not coverage) run of the whole suite."""
+    exit_code: int | None = None
+    """pytest's exit code of the first plain run (4: usage error, 5: no tests collected)."""
+    plain_output: str = ""
+    """The end of the first plain run's output (what ``etude.tasks.diagnose`` reads)."""
+
+    def suite_seconds(self) -> float:
+        """The slowest plain run of the whole suite (the base of the derived time limits)."""
+        return max(self.plain_seconds, default=self.run_seconds)
 
     def outcomes(self, run: TestRun) -> dict[str, str]:
         """A run's outcomes keyed by canonical ids."""
@@ -101,6 +112,24 @@ def canonical_outcomes(run: TestRun, canonical: Mapping[tuple[str, str], str]) -
     for test_id, outcome in run.results.items():
         out[canonical.get(junit_address(test_id), test_id)] = outcome
     return out
+
+
+def workspace_env(test_env: Mapping[str, str], workspace: Path) -> dict[str, str]:
+    """``test_env`` with each relative ``PYTHONPATH`` entry made absolute under ``workspace``."""
+    env = dict(test_env)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(
+            p if os.path.isabs(p) else str(workspace / p)
+            for p in env["PYTHONPATH"].split(os.pathsep)
+        )
+    return env
+
+
+def derived_time_limit(baseline: Baseline, *, factor: float, floor: float, ceiling: float) -> float:
+    """A per-run limit from the baseline: ``factor`` times its slowest whole-suite run, at least
+    ``floor`` and at most ``ceiling`` seconds. Every validation run runs the whole suite or a
+    part of it, so a run past the limit is a hanging stub or a deletion that hangs the suite."""
+    return round(min(ceiling, max(floor, factor * baseline.suite_seconds())), 1)
 
 
 def probe_imports(
@@ -133,9 +162,7 @@ def run_baseline(
     if runs < 2:
         raise ValueError(f"baseline runs={runs}: need at least 2 to see flaky tests")
     ws = Path(workspace).resolve()
-    env = dict(layout.test_env)
-    if env.get("PYTHONPATH"):
-        env["PYTHONPATH"] = str(ws / env["PYTHONPATH"])
+    env = workspace_env(layout.test_env, ws)
     args = ["--continue-on-collection-errors", *pytest_args]
     importable = probe_imports(sandbox, ws, layout.modules, env, timeout)
     plain: list[TestRun] = [
@@ -155,9 +182,7 @@ def run_baseline(
         source_dirs = sorted(
             {str(cws / PurePosixPath(rel).parent) for rel in layout.modules.values()}
         )
-        cov_env = dict(layout.test_env)
-        if cov_env.get("PYTHONPATH"):
-            cov_env["PYTHONPATH"] = str(cws / cov_env["PYTHONPATH"])
+        cov_env = workspace_env(layout.test_env, cws)
         cov_env.update(
             {
                 "PYTHONPATH": ":".join(
@@ -185,7 +210,7 @@ def run_baseline(
             f"the test suite of {layout.name} ran past the timeout of {timeout:.0f}s; raise "
             "test_timeout_s"
         )
-    if not contexts and covered.results:
+    if not contexts and "passed" in covered.results.values():
         raise ValueError(
             "coverage recorded no per-test contexts (is coverage's C tracer installed? "
             f"pytest output: {covered.output[-500:]})"
@@ -212,6 +237,9 @@ def run_baseline(
         importable=tuple(importable),
         run_seconds=sum(r.duration for r in all_runs),
         output=covered.output[-2000:],
+        plain_seconds=tuple(r.duration for r in plain),
+        exit_code=plain[0].exit_code,
+        plain_output=plain[0].output,
     )
 
 

@@ -32,21 +32,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 from etude.sandbox import SandboxConfig, make_sandbox
 from etude.tasks.agent_deleter import propose_with_agent
+from etude.tasks.baseline import derived_time_limit
 from etude.tasks.build_config import TaskBuildConfig
 from etude.tasks.build_report import BuildReport, TaskOutcome, reason_category
+from etude.tasks.copyguard import (
+    SandboxCopies,
+    deleted_definitions,
+    extend_with_copies,
+    workspace_copies,
+)
 from etude.tasks.delete import (
     DeletionError,
     Removal,
@@ -56,6 +65,8 @@ from etude.tasks.delete import (
     unified_patch,
     write_source,
 )
+from etude.tasks.diagnose import Diagnosis, diagnose, distribution_for
+from etude.tasks.features import feature_groups
 from etude.tasks.mine import (
     Feature,
     Miner,
@@ -63,6 +74,13 @@ from etude.tasks.mine import (
     index_package,
     index_test_imports,
     run_baseline,
+)
+from etude.tasks.quality import (
+    count_callers,
+    dedupe_by_fail_to_pass,
+    deleted_statements,
+    difficulty,
+    difficulty_score,
 )
 from etude.tasks.record import EtudeInfo, TaskRecord, archive_workspace, save_tasks
 from etude.tasks.sanitize import (
@@ -75,8 +93,9 @@ from etude.tasks.sanitize import (
     tree_files,
 )
 from etude.tasks.statement import DETAIL_RANK, problem_statement
-from etude.tasks.validate import copy_tree, validate_task
-from etude.tasks.variants import VariantMaker, remove_workspace
+from etude.tasks.testdeps import DEPS_DIR, declared_requirements, install, to_install
+from etude.tasks.validate import COLLECT_ANYWAY, copy_tree, validate_task
+from etude.tasks.variants import VariantMaker, _relaxed, remove_workspace
 
 _ID_CHARS = re.compile(r"[^A-Za-z0-9._+@~-]")
 
@@ -126,7 +145,8 @@ class TaskFactory(VariantMaker):
             self._tmp = None
 
     def prepare(self) -> None:
-        """Export, check for installed copies, run the baseline, index the package."""
+        """Export, install test requirements, check for installed copies, run the baseline
+        (diagnosing it), derive the time limit, index the package."""
         t0 = time.monotonic()
         self._tmp = tempfile.TemporaryDirectory(prefix="etude-tasks-")
         self.scratch = Path(self._tmp.name)
@@ -134,6 +154,8 @@ class TaskFactory(VariantMaker):
         export = export_tree(self.repo, self.pristine)
         self.export_skipped = export.skipped
         self.layout = detect_layout(self.pristine, self.cfg.packages, default_name=self.repo.name)
+        self.pytest_args = list(self.cfg.pytest_args)
+        self.requirements: list[str] = []
         timeout = self.cfg.test_timeout_s
         self.sandbox = make_sandbox(
             self.cfg.backend,
@@ -152,26 +174,33 @@ class TaskFactory(VariantMaker):
                 f"could read the deleted code there. Uninstall it (pip uninstall {name}) from the "
                 "interpreter the tasks run with"
             )
-        self.log(
-            f"baseline: running the suite of {self.layout.name} {self.cfg.baseline_runs} times"
-        )
-        work = copy_tree(self.pristine, self.scratch / "baseline")
-        self.baseline = run_baseline(
-            self.sandbox,
-            work,
-            self.layout,
-            runs=self.cfg.baseline_runs,
-            timeout=timeout,
-            pytest_args=self.cfg.pytest_args,
-        )
-        shutil.rmtree(work, ignore_errors=True)
-        if not self.baseline.passing:
-            tail = self.baseline.output.strip().splitlines()[-1:] or ["(no output)"]
-            raise ValueError(
-                f"no test of {self.layout.name} passes in the sandbox; check pytest_args (e.g. "
-                "--noconftest for a conftest this pytest cannot load), packages and the test "
-                f"dependencies. pytest said: {tail[0][:500]}"
+        if self.cfg.install_test_deps:
+            self._install(
+                [*declared_requirements(self.pristine), *self.cfg.test_requirements], declared=True
             )
+        self._run_baseline()
+        if self.cfg.install_test_deps and any(d.kind == "missing module" for d in self.diagnoses):
+            # the repository did not declare everything its tests import: install the
+            # distributions of the missing modules and run the baseline again
+            missing = [m for d in self.diagnoses for m in d.modules]
+            if self._install([distribution_for(m) for m in missing], declared=False):
+                self._run_baseline()
+        for d in self.diagnoses:
+            self.log(f"baseline: {d.kind}: {d.line}")
+        if not self.baseline.passing:
+            lines = [d.line for d in self.diagnoses] or [self._last_line()]
+            raise ValueError(
+                f"no test of {self.layout.name} passes in the sandbox: {' | '.join(lines)}"
+            )
+        if self.cfg.time_limits == "baseline":
+            self.time_limit = derived_time_limit(
+                self.baseline,
+                factor=self.cfg.time_limit_factor,
+                floor=self.cfg.min_time_limit_s,
+                ceiling=timeout,
+            )
+        else:
+            self.time_limit = timeout
         self.sources = {
             rel: read_source(self.pristine / rel)
             for rel in [*self.layout.modules.values(), *self.layout.stubs]
@@ -180,11 +209,57 @@ class TaskFactory(VariantMaker):
         self.miner = Miner(
             self.layout, index, self.baseline, index_test_imports(self.pristine, self.layout)
         )
+        self.sandbox_copies = SandboxCopies(self.sandbox, min_nodes=self.cfg.copy_min_nodes)
         self.seconds_baseline = time.monotonic() - t0
         self.log(
             f"baseline: {len(self.baseline.passing)} passing, {len(self.baseline.failing)} failing, "
-            f"{len(self.baseline.flaky)} flaky ({self.seconds_baseline:.1f}s)"
+            f"{len(self.baseline.flaky)} flaky ({self.seconds_baseline:.1f}s); time limit per "
+            f"run {self.time_limit:.0f}s"
         )
+
+    def _install(self, requirements: list[str], *, declared: bool) -> list[str]:
+        """Install what ``requirements`` lacks into the tree's ``DEPS_DIR``; what was installed."""
+        wanted = to_install(requirements, own=[self.layout.name, *self.layout.packages])
+        wanted = [r for r in dict.fromkeys(wanted) if r not in self.requirements]
+        if not wanted:
+            return []
+        self.log(f"test requirements: installing {', '.join(wanted)} into {DEPS_DIR}")
+        install(wanted, self.pristine / DEPS_DIR, timeout=self.cfg.test_timeout_s)
+        self.requirements += wanted
+        paths = [p for p in self.layout.test_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if DEPS_DIR not in paths:
+            self.layout.test_env["PYTHONPATH"] = os.pathsep.join([*paths, DEPS_DIR])
+            self.pytest_args.append(f"--ignore={DEPS_DIR}")
+        return wanted
+
+    def _run_baseline(self) -> None:
+        self.log(
+            f"baseline: running the suite of {self.layout.name} {self.cfg.baseline_runs} times"
+        )
+        work = copy_tree(self.pristine, self.scratch / "baseline")
+        try:
+            self.baseline = run_baseline(
+                self.sandbox,
+                work,
+                self.layout,
+                runs=self.cfg.baseline_runs,
+                timeout=self.cfg.test_timeout_s,
+                pytest_args=self.pytest_args,
+            )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        self.diagnoses: list[Diagnosis] = diagnose(
+            self.baseline.plain_output + "\n" + self.baseline.output,
+            exit_code=self.baseline.exit_code,
+            own_packages=self.layout.packages,
+            failing=len(self.baseline.failing),
+            install_test_deps=self.cfg.install_test_deps,
+        )
+
+    def _last_line(self) -> str:
+        lines = [ln for ln in self.baseline.output.strip().splitlines() if ln.strip()]
+        meaningful = [ln for ln in lines if not ln.startswith(("rootdir:", "configfile:", "="))]
+        return f"pytest said: {(meaningful or lines or ['(no output)'])[-1][:500]}"
 
     # -- one task ----------------------------------------------------------------------------
 
@@ -211,6 +286,7 @@ class TaskFactory(VariantMaker):
         parent: str | None = None,
         kind: str | None = None,
         relative: bool = True,
+        _with_copies: bool = False,
     ) -> TaskOutcome:
         """Delete ``feature``, build and validate its workspace; a record or a rejection.
 
@@ -225,12 +301,26 @@ class TaskFactory(VariantMaker):
             return TaskOutcome(
                 feature=feature.name,
                 record=None,
-                reason=reason,
+                reason=" ".join(reason.split()),  # one line in the report
                 seconds=time.monotonic() - t0,
                 test_seconds=seconds,
                 test_runs=runs,
             )
 
+        statements = deleted_statements(self.sources, feature)
+        # the floor keeps trivial tasks out of a build; a curriculum's easier variant may be small
+        floor = self.cfg.min_difficulty if parent is None else 0.0
+        if floor:
+            # the most this task can score: every candidate test in FAIL_TO_PASS, many callers
+            best = difficulty_score(
+                deleted_statements=statements,
+                num_fail_to_pass=len(feature.tests),
+                callers=1 << 20,
+                num_files=len({p for p, _ in feature.definitions} | set(feature.files)),
+                detail_rank=DETAIL_RANK[detail],
+            )
+            if best < floor:
+                return reject(f"below the difficulty floor: at most {best} < {floor}")
         try:
             edit = apply_removal(
                 self.sources,
@@ -239,10 +329,41 @@ class TaskFactory(VariantMaker):
             )
         except DeletionError as e:
             return reject(f"deletion refused: {e}")
+        remaining = list(self._remaining_files(edit.changed, edit.removed))
+        copies_searched = 0
+        if self.cfg.copy_search:
+            deleted = deleted_definitions(self.sources, feature)
+            copies_searched = len([d for d in deleted if d.nodes >= self.cfg.copy_min_nodes])
+            found = workspace_copies(deleted, remaining, min_nodes=self.cfg.copy_min_nodes)
+            found += self.sandbox_copies.copies_of(deleted)
+            if found:
+                if _with_copies or not self.cfg.delete_copies:
+                    return reject(f"copy of the deleted code: {found[0].describe()}")
+                extended = extend_with_copies(
+                    feature, found, self.miner, _relaxed(self.cfg.proposals)
+                )
+                if isinstance(extended, str):
+                    return reject(extended)
+                self.log(f"{feature.name}: deleting its copies too ({found[0].describe()})")
+                outcome = self.make_task(
+                    extended,
+                    detail=detail,
+                    parent=parent,
+                    kind=kind,
+                    relative=relative,
+                    _with_copies=True,
+                )
+                outcome.feature = feature.name
+                return outcome
+        callers = count_callers(feature, remaining)
         work = Path(tempfile.mkdtemp(prefix="task-", dir=self.scratch))
         try:
             ws = work / "workspace"
             export_tree(self.pristine, ws)
+            if (self.pristine / DEPS_DIR).is_dir():
+                # third-party test requirements keep their metadata (pytest finds plugins by it)
+                shutil.rmtree(ws / DEPS_DIR, ignore_errors=True)
+                shutil.copytree(self.pristine / DEPS_DIR, ws / DEPS_DIR, symlinks=True)
             for path, text in edit.changed.items():
                 write_source(ws / path, text)
             for path in edit.removed:
@@ -263,6 +384,8 @@ class TaskFactory(VariantMaker):
                 n=self.cfg.leak_ngram,
             )
             scan = leak_scan(ws, material)
+            scan["copies_searched"] = copies_searched
+            scan["copies_found"] = 0
             if not scan["clean"]:
                 hit = scan["hits"][0]
                 return reject(f"leak scan: {hit['kind']} in {hit['path']}: {hit['match']!r}")
@@ -283,12 +406,29 @@ class TaskFactory(VariantMaker):
                 deleted_modules=[path_to_module[p] for p in feature.files],
                 package_files=self.layout.modules.values(),
                 test_env=self.layout.test_env,
-                timeout=self.cfg.test_timeout_s,
-                pytest_args=self.cfg.pytest_args,
+                timeout=self.time_limit,
+                pytest_args=self.pytest_args,
                 gold_full_suite=self.cfg.gold_full_suite,
             )
             if not validation.ok:
                 return reject(validation.reason, validation.log.runs, validation.log.seconds)
+            level = difficulty(
+                deleted_lines=edit.deleted_lines(),
+                deleted_statements=statements,
+                num_fail_to_pass=len(validation.fail_to_pass),
+                callers=callers,
+                num_files=len(edit.original),
+                num_symbols=len(feature.symbols),
+                detail_rank=DETAIL_RANK[detail],
+            )
+            if level["score"] < floor:
+                return reject(
+                    f"below the difficulty floor: score {level['score']} < {floor} "
+                    f"({statements} statements, "
+                    f"{len(validation.fail_to_pass)} FAIL_TO_PASS, {callers} callers)",
+                    validation.log.runs,
+                    validation.log.seconds,
+                )
             instance_id = self._new_id(feature, detail)
             statement = problem_statement(
                 feature, self.sources, self.layout, validation.fail_to_pass, detail
@@ -308,8 +448,8 @@ class TaskFactory(VariantMaker):
             }
             if self.layout.test_env:
                 extra["test_env"] = dict(self.layout.test_env)
-            if self.cfg.pytest_args:
-                extra["pytest_args"] = list(self.cfg.pytest_args)
+            if self.pytest_args:
+                extra["pytest_args"] = list(self.pytest_args)
             if feature.parts:
                 extra["parts"] = list(feature.parts)
             record = TaskRecord(
@@ -322,18 +462,16 @@ class TaskFactory(VariantMaker):
                 version=self.layout.version,
                 FAIL_TO_PASS=validation.fail_to_pass,
                 PASS_TO_PASS=validation.pass_to_pass,
+                workspace=workspace,
+                test_command=test_command(self.layout.test_env, self.pytest_args),
+                environment=self.environment(),
+                time_limit_s=self.time_limit,
                 etude=EtudeInfo(
                     workspace=workspace,
                     kind=kind,
                     symbols=list(feature.symbols),
                     deleted_files=list(edit.removed),
-                    difficulty={
-                        "deleted_lines": edit.deleted_lines(),
-                        "num_symbols": len(feature.symbols),
-                        "num_files": len(edit.original),
-                        "num_fail_to_pass": len(validation.fail_to_pass),
-                        "detail_rank": DETAIL_RANK[detail],
-                    },
+                    difficulty=level,
                     parent=parent,
                     leak_scan=scan,
                     detail_level=detail,
@@ -352,6 +490,27 @@ class TaskFactory(VariantMaker):
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    def _remaining_files(
+        self, changed: dict[str, str], removed: list[str]
+    ) -> Iterator[tuple[str, bytes]]:
+        """``(path, bytes)`` of the broken tree without building it (the pristine tree with the
+        deletion's changes), ``.git`` excluded."""
+        gone = set(removed)
+        for rel, data in tree_files(self.pristine):
+            if rel in gone:
+                continue
+            yield rel, changed[rel].encode("utf-8") if rel in changed else data
+
+    def environment(self) -> dict[str, Any]:
+        """The record's ``environment``: what a harness needs to run the tests."""
+        return {
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "test_env": dict(self.layout.test_env),
+            "pytest_args": [*COLLECT_ANYWAY, *self.pytest_args],
+            "test_requirements": list(self.requirements),
+            "deps_dir": DEPS_DIR if self.requirements else None,
+        }
+
     # -- the build ---------------------------------------------------------------------------
 
     def proposed(self) -> list[Feature]:
@@ -366,14 +525,20 @@ class TaskFactory(VariantMaker):
                 )
                 features += agent_features
                 self.proposals_rejected.update(agent_rejected)
+            if self.cfg.proposals.feature_groups:
+                groups, skipped = feature_groups(self.miner, self.cfg.proposals)
+                seen = {f.symbols for f in features}
+                features += [g for g in groups if g.symbols not in seen]
+                self.proposals_rejected.update(skipped)
             self._proposed = features
         return self._proposed
 
     def candidates(self) -> list[Feature]:
-        """Proposals in build order: one feature per module in turn (so a ``max_tasks`` prefix
-        covers many modules), symbols before whole modules."""
+        """Proposals in build order: feature-sized groups first, then one feature per module in
+        turn (so a ``max_tasks`` prefix covers many modules), symbols before whole modules."""
         features = self.proposed()
-        symbols = [f for f in features if f.kind != "module"]
+        groups = [f for f in features if f.kind == "feature"]
+        symbols = [f for f in features if f.kind not in ("module", "feature")]
         modules = [f for f in features if f.kind == "module"]
         by_module: dict[str, list[Feature]] = {}
         for f in symbols:
@@ -384,19 +549,21 @@ class TaskFactory(VariantMaker):
             for q in queues:
                 if q:
                     ordered.append(q.pop(0))
-        return ordered + modules
+        return groups + ordered + modules
 
     def run_features(
         self,
         features: list[Feature],
         *,
         limit: int = 0,
+        deadline: float | None = None,
         options: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> list[TaskOutcome]:
         """``make_task`` over ``features`` in ``workers`` threads, in order; stops submitting once
-        ``limit`` tasks are valid (0: no limit). ``options``: per-feature keyword arguments (added
-        to ``kwargs``). Outcomes come back in ``features`` order."""
+        ``limit`` tasks are valid (0: no limit) or at ``deadline`` (``time.monotonic``).
+        ``options``: per-feature keyword arguments (added to ``kwargs``). Outcomes come back in
+        ``features`` order, for the features that were tried."""
         outcomes: dict[int, TaskOutcome] = {}
         pending: dict[Future[TaskOutcome], int] = {}
         next_index = 0
@@ -407,6 +574,7 @@ class TaskFactory(VariantMaker):
                     next_index < len(features)
                     and len(pending) < self.cfg.workers
                     and (not limit or valid + len(pending) < limit)
+                    and (deadline is None or time.monotonic() < deadline)
                 ):
                     extra = options[next_index] if options is not None else {}
                     future = pool.submit(self.make_task, features[next_index], **kwargs, **extra)
@@ -439,8 +607,27 @@ class TaskFactory(VariantMaker):
         self.log(
             f"proposals: {len(features)} candidates, {len(self.proposals_rejected)} symbols skipped"
         )
-        outcomes = self.run_features(features, limit=self.cfg.max_tasks)
+        if self.cfg.copy_search:
+            # one sandboxed search of the interpreter's filesystem for every candidate's code
+            t_scan = time.monotonic()
+            self.sandbox_copies.prefetch(
+                d for f in features for d in deleted_definitions(self.sources, f)
+            )
+            self.log(f"copy search of the sandbox's filesystem: {time.monotonic() - t_scan:.1f}s")
+        deadline = (
+            t0 - self.seconds_baseline + self.cfg.time_budget_s if self.cfg.time_budget_s else None
+        )
+        outcomes = self.run_features(features, limit=self.cfg.max_tasks, deadline=deadline)
+        not_tried = [f.name for f in features[len(outcomes) :]]
         records = [o.record for o in outcomes if o.record is not None]
+        if self.cfg.dedupe_fail_to_pass:
+            records, duplicates = dedupe_by_fail_to_pass(records)
+            by_id = {o.record.instance_id: o for o in outcomes if o.record is not None}
+            for instance_id, reason in duplicates.items():
+                outcome = by_id[instance_id]
+                remove_workspace(self.out_dir, outcome.record)  # type: ignore[arg-type]
+                outcome.record = None
+                outcome.reason = reason
         if self.cfg.max_tasks and len(records) > self.cfg.max_tasks:
             for extra in records[self.cfg.max_tasks :]:
                 remove_workspace(self.out_dir, extra)
@@ -452,6 +639,8 @@ class TaskFactory(VariantMaker):
             if o.record is None:
                 rejected[o.feature] = o.reason
                 counts[reason_category(o.reason)] = counts.get(reason_category(o.reason), 0) + 1
+        for name in not_tried:
+            rejected[name] = "not tried: the build's time budget (tasks.time_budget_s) ran out"
         skips: dict[str, int] = {}
         for reason in self.proposals_rejected.values():
             skips[reason_category(reason)] = skips.get(reason_category(reason), 0) + 1
@@ -477,11 +666,24 @@ class TaskFactory(VariantMaker):
             ),
             seconds_per_task=round(sum(o.seconds for o in outcomes) / max(1, len(outcomes)), 2),
             tasks=[r.instance_id for r in records],
+            diagnoses=[d.line for d in self.diagnoses],
+            not_tried=len(not_tried),
+            time_limit_s=self.time_limit,
+            test_requirements=list(self.requirements),
+            median_fail_to_pass=_median([len(r.FAIL_TO_PASS) for r in records]),
         )
         (self.out_dir / "build_report.json").write_text(
             json.dumps(report.to_dict(), indent=1) + "\n"
         )
         return records, report
+
+
+def _median(values: list[int]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def build_tasks(
@@ -506,3 +708,13 @@ def build_tasks(
 def log_to_stderr(message: str) -> None:
     """The CLI's progress printer."""
     print(message, file=sys.stderr, flush=True)
+
+
+def test_command(test_env: dict[str, str], pytest_args: list[str]) -> str:
+    """The shell command that runs ``{tests}`` from the workspace root (the record's
+    ``test_command``), environment included."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(test_env.items()))
+    args = " ".join(
+        shlex.quote(a) for a in ["-p", "no:cacheprovider", *COLLECT_ANYWAY, *pytest_args]
+    )
+    return f"{'env ' + env + ' ' if env else ''}python -m pytest {args} {{tests}}"

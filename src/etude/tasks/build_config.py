@@ -49,6 +49,33 @@ class TaskBuildConfig:
     """Most variants ``harder``/``easier`` return for one task."""
     seed: int = 0
     """Seed for choosing partner features of harder variants."""
+    time_limits: Literal["baseline", "fixed"] = "baseline"
+    """``baseline``: each validation run may take ``time_limit_factor`` times the baseline's
+    slowest whole-suite run (at least ``min_time_limit_s``, at most ``test_timeout_s``), so a
+    hanging stub costs seconds; ``fixed``: every run may take ``test_timeout_s``."""
+    time_limit_factor: float = 3.0
+    """Multiple of the baseline's whole-suite run allowed to one validation run."""
+    min_time_limit_s: float = 20.0
+    """Smallest derived time limit in seconds (interpreter start-up and import costs)."""
+    time_budget_s: float = 0.0
+    """Stop starting new candidates after this many seconds of build (0: no budget); the rest
+    are reported as not tried."""
+    min_difficulty: float = 2.5
+    """Reject tasks whose difficulty score is below this floor (``etude.tasks.quality``; 0: off)."""
+    dedupe_fail_to_pass: bool = True
+    """Keep one task per FAIL_TO_PASS set (the highest difficulty score)."""
+    copy_search: bool = True
+    """Search every workspace file and the sandbox's filesystem for AST-normalized copies of the
+    deleted code (``etude.tasks.copies``)."""
+    copy_min_nodes: int = 30
+    """Smallest deleted definition (AST nodes after normalization) the copy search looks for."""
+    delete_copies: bool = True
+    """Delete a copy that lies in a package module together with the feature (else reject)."""
+    install_test_deps: bool = False
+    """Install the repository's declared test requirements (and ``test_requirements``) from the
+    package index into ``.etude-deps`` of every workspace (``etude.tasks.testdeps``)."""
+    test_requirements: tuple[str, ...] = ()
+    """Extra requirements to install with ``install_test_deps`` (e.g. ``["freezegun"]``)."""
     proposals: ProposalConfig = field(default_factory=ProposalConfig)
     """Which features are proposed (size budget, methods, modules, include patterns)."""
     agent: AgentDeleterConfig = field(default_factory=AgentDeleterConfig)
@@ -80,5 +107,29 @@ class TaskBuildConfig:
             )
         if self.leak_ngram < 2:
             raise ValueError(f"tasks.leak_ngram={self.leak_ngram} must be >= 2 (default 3)")
+        if self.time_limits not in ("baseline", "fixed"):
+            raise ValueError(
+                f"tasks.time_limits={self.time_limits!r} must be 'baseline' or 'fixed'"
+            )
+        if self.time_limit_factor < 1.0:
+            raise ValueError(
+                f"tasks.time_limit_factor={self.time_limit_factor} must be >= 1 (default 3)"
+            )
+        if self.min_time_limit_s <= 0:
+            raise ValueError(f"tasks.min_time_limit_s={self.min_time_limit_s} must be > 0")
+        if self.time_budget_s < 0:
+            raise ValueError(f"tasks.time_budget_s={self.time_budget_s} must be >= 0 (0: none)")
+        if self.min_difficulty < 0:
+            raise ValueError(f"tasks.min_difficulty={self.min_difficulty} must be >= 0 (0: off)")
+        if self.copy_min_nodes < 5:
+            raise ValueError(
+                f"tasks.copy_min_nodes={self.copy_min_nodes} matches trivial code; use >= 5 "
+                "(default 30)"
+            )
+        if self.test_requirements and not self.install_test_deps:
+            raise ValueError(
+                "tasks.test_requirements is set but tasks.install_test_deps is false; set "
+                "install_test_deps = true to install them"
+            )
         if self.variants_per_task < 1:
             raise ValueError(f"tasks.variants_per_task={self.variants_per_task} must be >= 1")

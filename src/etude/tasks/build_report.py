@@ -58,6 +58,16 @@ class BuildReport:
     seconds_per_task: float
     """Mean wall-clock seconds per validated candidate (valid or not)."""
     tasks: list[str] = field(default_factory=list)
+    diagnoses: list[str] = field(default_factory=list)
+    """One line per problem the baseline showed (missing modules, pytest usage errors...)."""
+    not_tried: int = 0
+    """Candidates left untried when the time budget ran out."""
+    time_limit_s: float = 0.0
+    """Time limit of one validation run (derived from the baseline unless fixed)."""
+    test_requirements: list[str] = field(default_factory=list)
+    """Requirements installed into the workspaces' ``.etude-deps``."""
+    median_fail_to_pass: float = 0.0
+    """Median FAIL_TO_PASS count of the accepted tasks."""
 
     @property
     def yield_(self) -> float:
@@ -86,6 +96,10 @@ def reason_category(reason: str) -> str:
         ("no passing test", "no tests"),
         ("exercised by", "too many tests"),
         ("broken-tree run timed out", "timeout"),
+        ("copy of the deleted code", "copy elsewhere"),
+        ("below the difficulty floor", "below the difficulty floor"),
+        ("duplicate FAIL_TO_PASS", "duplicate FAIL_TO_PASS set"),
+        ("not tried", "not tried (time budget)"),
         ("deletion refused", "deletion refused"),
         ("attribute ", "used outside the feature"),
         ("dunder or nested", "dunder or nested method"),

@@ -8,7 +8,9 @@
   a summary on stdout; exit 0 when at least one task was made;
 - ``etude tasks show DIR``: one line per task (id, symbols, F2P/P2P counts, difficulty, leak scan);
 - ``etude tasks check DIR``: re-validate every record (``validate.check_record``); exit 1 if any
-  fails.
+  fails;
+- ``etude tasks export DIR --format swebench --out FILE``: records for an SWE-bench style
+  harness (``etude.tasks.export``).
 
 What it does not do: parse anything itself beyond argparse, or catch ``ValueError`` (the main
 CLI turns it into a one-line error and exit code 2).
@@ -130,8 +132,20 @@ def tasks_check_main(
     return 0 if failed == 0 else 1
 
 
+def tasks_export_main(directory: str | Path, out: str | Path, fmt: str) -> int:
+    """Export the tasks of ``DIR`` to ``out`` in ``fmt`` (``etude.tasks.export``)."""
+    from etude.tasks.export import export_records
+    from etude.tasks.record import load_tasks
+
+    path = Path(directory)
+    base = path if path.is_dir() else path.parent
+    count = export_records(load_tasks(path), base.resolve(), Path(out), fmt)
+    print(f"wrote {count} {fmt} records to {out}")
+    return 0
+
+
 def add_tasks_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``etude tasks build|show|check`` on the main parser's subparsers."""
+    """Register ``etude tasks build|show|check|export`` on the main parser's subparsers."""
     sp = subparsers.add_parser("tasks", help="feature-deletion tasks: build, show, check")
     tsub = sp.add_subparsers(dest="tasks_command", metavar="SUBCOMMAND", required=True)
 
@@ -165,6 +179,11 @@ def add_tasks_parser(subparsers: Any) -> argparse.ArgumentParser:
             args.dir, backend=args.backend, workers=args.workers, timeout=args.timeout
         )
     )
+    ep = tsub.add_parser("export", help="write the tasks of DIR for another harness")
+    ep.add_argument("dir", help="directory holding tasks.jsonl (or the file)")
+    ep.add_argument("--format", default="swebench", choices=["swebench"], help="record format")
+    ep.add_argument("--out", required=True, help="JSONL file to write")
+    ep.set_defaults(func=lambda args: tasks_export_main(args.dir, args.out, args.format))
     return sp
 
 

@@ -87,6 +87,11 @@ class ProposalConfig:
     """Offer whole modules as features."""
     include: tuple[str, ...] = ()
     """Glob patterns over dotted names (``textkit.case.*``); empty: everything."""
+    feature_groups: bool = True
+    """Also offer feature-sized tasks: per test file, the code only its tests reach, across
+    modules, deleted together (``etude.tasks.features``)."""
+    max_feature_lines: int = 600
+    """Largest feature-sized task (lines of deleted definitions)."""
 
     def __post_init__(self) -> None:
         if self.min_lines < 1:

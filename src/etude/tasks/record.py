@@ -20,6 +20,10 @@ Conventions for etude records:
   root (``archive_workspace`` writes them so, reproducibly).
 - ``base_commit`` is the commit of the workspace's repository when it has one, else
   ``tree_digest(workspace)`` (``"sha256:..."``), so a stale workspace can be detected.
+- the top-level ``workspace``, ``test_command``, ``environment`` and ``time_limit_s`` say what a
+  harness that knows nothing of etude needs to run the tests (``environment``: Python version,
+  test environment variables, pytest arguments, test requirements); ``workspace`` resolves like
+  ``etude.workspace``, against the directory holding the record file;
 - ``test_patch`` is empty for feature deletion: the tests stay in the workspace; the reward
   restores them before it runs.
 
@@ -67,6 +71,9 @@ _SWE_FIELDS = (
     "PASS_TO_PASS",
 )
 _OPTIONAL_FIELDS = ("hints_text", "created_at")
+# What a harness needs to run the tests, at the top level (written after SWE-bench's fields;
+# omitted when None, so foreign records round-trip unchanged)
+_PORTABLE_FIELDS = ("workspace", "test_command", "environment", "time_limit_s")
 
 
 def _check_relative_path(value: Any, setting: str) -> str:
@@ -197,6 +204,18 @@ class TaskRecord:
     """pytest node ids that fail on the broken tree and must pass after the fix."""
     PASS_TO_PASS: list[str] = field(default_factory=list)
     """pytest node ids that pass on the broken tree and must keep passing."""
+    workspace: str | None = None
+    """The broken tree (directory or archive), as ``etude.workspace``: a relative path is
+    relative to the directory holding the record file."""
+    test_command: str | None = None
+    """The shell command that runs the tests from the workspace root, with ``{tests}`` where the
+    node ids go; it sets the environment itself (``env PYTHONPATH=... python -m pytest ...``)."""
+    environment: dict[str, Any] | None = None
+    """What the tests need: ``python`` (major.minor), ``test_env`` (variables; relative
+    ``PYTHONPATH`` entries are relative to the workspace), ``pytest_args``, ``test_requirements``
+    (installed into ``deps_dir`` of the workspace when not empty) and ``deps_dir``."""
+    time_limit_s: float | None = None
+    """Seconds one run of the tests may take (derived from the baseline's durations)."""
     etude: EtudeInfo | None = None
     """etude's own part; None for a foreign (SWE-bench style) record."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -213,7 +232,19 @@ class TaskRecord:
                 raise ValueError(f"{name} must be a string or null, got {getattr(self, name)!r}")
         _check_str_list(self.FAIL_TO_PASS, "FAIL_TO_PASS")
         _check_str_list(self.PASS_TO_PASS, "PASS_TO_PASS")
-        clash = sorted(set(self.extra) & {*_SWE_FIELDS, "etude", "extra"})
+        if self.environment is not None and not isinstance(self.environment, dict):
+            raise ValueError(f"environment must be an object or null, got {self.environment!r}")
+        for name in ("workspace", "test_command"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or null, got {value!r}")
+        if self.time_limit_s is not None and (
+            isinstance(self.time_limit_s, bool)
+            or not isinstance(self.time_limit_s, int | float)
+            or self.time_limit_s <= 0
+        ):
+            raise ValueError(f"time_limit_s must be a positive number, got {self.time_limit_s!r}")
+        clash = sorted(set(self.extra) & {*_SWE_FIELDS, *_PORTABLE_FIELDS, "etude", "extra"})
         if clash:
             raise ValueError(f"extra repeats known keys {clash}; set those fields directly")
         if self.etude is not None:
@@ -238,6 +269,9 @@ class TaskRecord:
             if name in _OPTIONAL_FIELDS and value is None:
                 continue
             out[name] = value
+        for name in _PORTABLE_FIELDS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         out.update(self.extra)
         if self.etude is not None:
             out["etude"] = self.etude.to_dict()
@@ -265,6 +299,8 @@ class TaskRecord:
                 kwargs[key] = str(value)
             elif key in _SWE_FIELDS:
                 kwargs[key] = "" if value is None and key not in _OPTIONAL_FIELDS else value
+            elif key in _PORTABLE_FIELDS:
+                kwargs[key] = value
             else:
                 extra[key] = value
         return cls(**kwargs, extra=extra)
@@ -281,6 +317,25 @@ class TaskRecord:
         except json.JSONDecodeError as e:
             raise ValueError(f"not valid JSON: {e.msg} at column {e.colno}") from None
         return cls.from_dict(data)
+
+
+def record_test_env(record: TaskRecord) -> dict[str, str]:
+    """The test environment variables of a record (top-level ``environment``, else the older
+    ``etude.extra.test_env``)."""
+    if record.environment is not None and "test_env" in record.environment:
+        return dict(record.environment["test_env"])
+    if record.etude is not None:
+        return dict(record.etude.extra.get("test_env", {}))
+    return {}
+
+
+def record_pytest_args(record: TaskRecord) -> list[str]:
+    """The pytest arguments of a record (top-level ``environment``, else ``etude.extra``)."""
+    if record.environment is not None and "pytest_args" in record.environment:
+        return list(record.environment["pytest_args"])
+    if record.etude is not None:
+        return list(record.etude.extra.get("pytest_args", []))
+    return []
 
 
 def _decode_test_list(value: Any, key: str) -> list[str]:
@@ -393,13 +448,15 @@ def resolve_workspace(
     Raises ``ValueError`` for a record without ``etude``, a missing workspace, an archive without
     ``dest`` or a non-empty ``dest``.
     """
-    if record.etude is None:
+    where = record.etude.workspace if record.etude is not None else record.workspace
+    if where is None:
         raise ValueError(
-            f"task {record.instance_id!r} has no etude.workspace (a SWE-bench style record); "
+            f"task {record.instance_id!r} has no workspace (no etude.workspace: a SWE-bench style "
+            "record); "
             f"check out {record.repo or 'its repo'} at {record.base_commit or 'base_commit'} and "
-            "point etude.workspace at it"
+            "point the record's workspace at it"
         )
-    workspace = Path(record.etude.workspace)
+    workspace = Path(where)
     if not workspace.is_absolute():
         workspace = Path(base_dir) / workspace
     workspace = workspace.absolute()

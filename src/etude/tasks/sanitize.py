@@ -38,7 +38,15 @@ normalized view) or a distinctive n-gram (in the view's identifier streams). Vie
 its bytes as UTF-8 text; zlib streams (git loose objects), gzip, zip and tar members, recursively;
 strings and name tuples of marshalled code (``.pyc``); the strings of a JSON document; HTML with
 tags stripped and entities decoded; and for a ``.git`` directory, every object git can read
-(``git cat-file --batch-all-objects``, packs included).
+(``git cat-file --batch-all-objects``, packs included) as the agent would decode it: blobs,
+commits and tags as they are, trees as their entries' names. The raw files under ``.git`` are not
+scanned themselves (their zlib streams hold binary tree ids), and no binary view (a NUL byte or
+undecodable UTF-8) is scanned for n-grams: identifiers found by chance in hashes are no leak.
+
+A scan is **clean** only when it found nothing *and* had something to look for: when every line
+and n-gram of the deleted code also occurs in the remaining tree (the tree holds a copy, or the
+deleted code is too small to recognize), the scan reports ``nothing_distinctive`` and is not
+clean. Copies that are reformatted or renamed are found by ``etude.tasks.copies`` (AST-level).
 
 What this module does not do: it cannot judge content that belongs to the repository itself. By
 the definition above nothing in R is distinctive, so documentation that quotes the deleted code
@@ -518,10 +526,20 @@ def _json_strings(value: Any, out: list[str]) -> None:
             _json_strings(v, out)
 
 
+def is_binary(data: bytes, text: str | None = None) -> bool:
+    """Bytes that are not text: a NUL byte, or more than 1% of undecodable UTF-8."""
+    if b"\0" in data[:65536]:
+        return True
+    text = data.decode("utf-8", "replace") if text is None else text
+    return text.count("\ufffd") > max(1, len(text) // 100)
+
+
 def file_views(data: bytes, label: str, depth: int = 0) -> Iterator[_View]:
     """Every readable form of a file's bytes (module docstring: "Views of a file")."""
     text = data.decode("utf-8", "replace")
-    yield _View(label, text, [identifiers(text)])
+    # identifiers found by chance in binary bytes (hashes, compressed data) are no leak: binary
+    # data is scanned only for whole lines and through the views that decode it
+    yield _View(label, text, [] if is_binary(data, text) else [identifiers(text)])
     if depth >= MAX_VIEW_DEPTH:
         return
     code = _pyc_code(data)
@@ -596,14 +614,38 @@ def _tar_views(data: bytes, label: str, depth: int) -> Iterator[_View]:
             yield from file_views(f.read(), f"{label}!{member.name}", depth + 1)
 
 
-def _git_objects(workspace: Path) -> bytes | None:
+def _git_objects(workspace: Path) -> list[tuple[str, str, bytes]] | None:
+    """``(id, type, content)`` of every object git can read in the workspace (packs included)."""
     try:
-        return run_git(
+        out = run_git(
             ["--git-dir", str(workspace / ".git"), "cat-file", "--batch-all-objects", "--batch"],
             workspace,
         )
     except (RuntimeError, OSError):
         return None
+    objects = []
+    pos = 0
+    while pos < len(out):
+        end = out.index(b"\n", pos)
+        oid, kind, size = out[pos:end].decode().split()
+        start = end + 1
+        objects.append((oid, kind, out[start : start + int(size)]))
+        pos = start + int(size) + 1
+    return objects
+
+
+def git_object_text(kind: str, content: bytes) -> bytes:
+    """What an agent reads from a git object: blobs, commits and tags as they are, a tree as its
+    entries' modes and names (the 20-byte ids in between are binary, not text)."""
+    if kind != "tree":
+        return content
+    lines = []
+    pos = 0
+    while pos < len(content):
+        nul = content.index(b"\0", pos)
+        lines.append(content[pos:nul])
+        pos = nul + 21
+    return b"\n".join(lines)
 
 
 def leak_scan(
@@ -648,6 +690,8 @@ def leak_scan(
                         )
 
     for root, dirs, names in os.walk(workspace):
+        if Path(root) == workspace and ".git" in dirs and (workspace / ".git").is_dir():
+            dirs.remove(".git")  # read through git below: what the agent decodes, not raw zlib
         dirs.sort()
         for name in sorted(names):
             path = Path(root) / name
@@ -665,12 +709,28 @@ def leak_scan(
         objects = _git_objects(workspace)
         git_readable = objects is not None
         if objects is not None:
-            bytes_read += len(objects)
-            for view in file_views(objects, ".git (all objects)"):
-                views += 1
-                scan(view, ".git")
+            for oid, kind, content in objects:
+                bytes_read += len(content)
+                for view in file_views(git_object_text(kind, content), f".git {kind} {oid[:12]}"):
+                    views += 1
+                    scan(view, ".git")
+    # with nothing distinctive left to look for, a scan finds nothing whatever the tree holds:
+    # the deleted code is all elsewhere in the tree (a copy) or too small to recognize
+    nothing_distinctive = not material.lines and not material.ngrams
+    if nothing_distinctive:
+        num_hits += 1
+        hits.insert(
+            0,
+            {
+                "path": ".",
+                "view": "-",
+                "kind": "nothing distinctive",
+                "match": "every line and identifier n-gram of the deleted code is elsewhere",
+            },
+        )
     return {
         "clean": num_hits == 0,
+        "nothing_distinctive": nothing_distinctive,
         "num_hits": num_hits,
         "hits": hits,
         "files": files,
