@@ -6,8 +6,8 @@ PATH may be:
   ``export/config.json`` and ``tokenizer/tokenizer.json``;
 - an etude export directory (``model.safetensors`` + ``config.json``), the tokenizer in
   ``PATH/tokenizer`` or ``PATH/../tokenizer``;
-- a checkpoint step directory of a run (``RUN/step_N`` with ``extra.json``): the model shape from
-  ``RUN/export/config.json``, the weights from the DCP checkpoint;
+- a checkpoint step directory of a run (``RUN/checkpoints/step_N`` with ``extra.json``): the
+  model shape from ``RUN/export/config.json``, the weights from the DCP checkpoint;
 - a Hugging Face checkpoint directory (``config.json`` with ``architectures``, safetensors
   shards), converted by ``etude.parallel.checkpoint.load_hf_checkpoint``. Its ``tokenizer.json``
   (if present) is used to decode text; chat needs etude's own tokenizer and template, so an
@@ -73,11 +73,13 @@ def load_served(path: str | Path, *, device: str = "cpu", name: str = "") -> Ser
         load_safetensors(model, source / "export" / "model.safetensors")
         tokenizer = _etude_tokenizer(source / "tokenizer")
     elif (source / "extra.json").is_file():
-        run = source.parent
-        if not (run / "export" / "config.json").is_file():
+        # RUN/checkpoints/step_N (or a step directory placed right under the run)
+        runs = [source.parent.parent, source.parent]
+        run = next((r for r in runs if (r / "export" / "config.json").is_file()), None)
+        if run is None:
             raise ValueError(
-                f"{source} is a checkpoint, but {run}/export/config.json (the model shape) is "
-                "missing; serve the run directory after it exported once"
+                f"{source} is a checkpoint, but its run has no export/config.json (the model "
+                "shape); serve the run directory after it exported once"
             )
         model = build_model(_model_config(run / "export" / "config.json"), device=device, seed=0)
         load_checkpoint(source, model)
