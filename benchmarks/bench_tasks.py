@@ -1,24 +1,32 @@
-"""Task factory throughput on the example repository, and where the time goes.
+"""Task factory throughput, before and after the baseline-derived time limits.
 
-Run: ``.venv/bin/python benchmarks/bench_tasks.py [--workers N] [--include PATTERN ...]``
+Run: ``.venv/bin/python benchmarks/bench_tasks.py [--workers N] [--real DIR] [--include PAT ...]``
 (writes benchmarks/results/bench_tasks.json).
 
-Builds every task of ``examples/repos/textkit`` (or the features matching ``--include``) into a
-temporary directory and prints: validated tasks per minute of wall-clock time (baseline
-included), the share of worker time spent inside sandboxed test runs (pytest and the import
-probe: the sum of their durations over ``workers`` x wall-clock seconds), the baseline's cost,
-and the mean cost of one candidate. With ``--workers 1`` the share is the plain fraction of the
-build spent waiting for tests; the rest is export, LibCST, git, the leak scan and bookkeeping.
+Builds the tasks of ``examples/repos/textkit`` (the features matching ``--include``; default:
+two of its modules) and of one real package (``--real``: an unpacked sdist; default the
+inflection 0.5.1 sdist under ``$ETUDE_SDIST_DIR``), each twice in the same run: with
+``time_limits = "fixed"`` (every validation run may take ``test_timeout_s`` = 600 s, the factory's
+old behaviour) and with ``time_limits = "baseline"`` (each run may take 3x the baseline's slowest
+whole-suite run, at least 20 s). For each it prints validated tasks per minute of wall-clock time
+(baseline included), the time limit, the slowest candidate, the share of worker time spent inside
+sandboxed test runs, and the cost of the baseline. Flat keys ``REPO_MODE_METRIC`` go to the JSON.
+
+A hanging stub (a trivial body that makes a test loop forever) costs the whole limit: 600 s with
+fixed limits, tens of seconds with derived ones. Where no candidate hangs, both modes should give
+the same tasks per minute within the noise of a loaded machine; the ratio is the figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.mine import ProposalConfig
@@ -26,57 +34,76 @@ from etude.tasks.mine import ProposalConfig
 ROOT = Path(__file__).resolve().parents[1]
 TEXTKIT = ROOT / "examples" / "repos" / "textkit"
 RESULTS = Path(__file__).parent / "results" / "bench_tasks.json"
+SDISTS = Path(os.environ.get("ETUDE_SDIST_DIR", Path.home() / ".cache" / "etude" / "sdists"))
+
+
+def build_once(repo: Path, mode: str, workers: int, include: tuple[str, ...]) -> dict[str, Any]:
+    cfg = TaskBuildConfig(
+        workers=workers, time_limits=mode, proposals=ProposalConfig(include=include)
+    )
+    with tempfile.TemporaryDirectory(prefix="etude-bench-tasks-") as tmp:
+        t0 = time.monotonic()
+        with TaskFactory(repo, tmp, cfg) as factory:
+            baseline_s = time.monotonic() - t0
+            records, report = factory.build()
+            wall_s = time.monotonic() - t0
+            limit = factory.time_limit
+    return {
+        "candidates": report.candidates,
+        "valid": report.valid,
+        "wall_s": round(wall_s, 2),
+        "baseline_s": round(baseline_s, 2),
+        "tasks_per_minute": round(report.valid / (wall_s / 60), 2),
+        "time_limit_s": limit,
+        "test_run_s": report.seconds_tests,
+        "test_share": round(report.seconds_tests / (workers * wall_s), 3),
+        "mean_candidate_s": report.seconds_per_task,
+        "median_fail_to_pass": report.median_fail_to_pass,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="tasks validated at once")
-    parser.add_argument("--include", nargs="*", default=[], help="glob patterns of features")
-    args = parser.parse_args()
-    cfg = TaskBuildConfig(
-        workers=args.workers, proposals=ProposalConfig(include=tuple(args.include))
+    parser.add_argument(
+        "--include",
+        nargs="*",
+        default=["textkit.case*", "textkit.containers*"],
+        help="glob patterns of textkit features",
     )
-    with tempfile.TemporaryDirectory(prefix="etude-bench-tasks-") as tmp:
-        t0 = time.monotonic()
-        with TaskFactory(TEXTKIT, tmp, cfg) as factory:
-            baseline_s = time.monotonic() - t0
-            features = factory.candidates()
-            outcomes = factory.run_features(features)
-            wall_s = time.monotonic() - t0
-            baseline_runs_s = factory.baseline.run_seconds
-    valid = sum(o.record is not None for o in outcomes)
-    test_s = baseline_runs_s + sum(o.test_seconds for o in outcomes)
-    runs = cfg.baseline_runs + 1 + sum(o.test_runs for o in outcomes)  # +1: the import probe
-    result = {
-        "repo": "examples/repos/textkit",
+    parser.add_argument("--real", type=Path, default=SDISTS / "inflection-0.5.1")
+    args = parser.parse_args()
+    if not args.real.is_dir():
+        raise SystemExit(
+            f"{args.real} is not an unpacked sdist: pip download --no-deps --no-binary :all: "
+            f"inflection==0.5.1, tar xzf it, and pass --real DIR (or set ETUDE_SDIST_DIR)"
+        )
+    repos = {
+        "textkit": (TEXTKIT, tuple(args.include)),
+        args.real.name.split("-")[0]: (args.real, ()),
+    }
+    result: dict[str, Any] = {
         "workers": args.workers,
-        "include": args.include,
-        "candidates": len(outcomes),
-        "valid": valid,
-        "wall_s": round(wall_s, 2),
-        "baseline_s": round(baseline_s, 2),
-        "tasks_per_minute": round(valid / (wall_s / 60), 2),
-        "test_run_s": round(test_s, 2),
-        "test_runs": runs,
-        "test_share": round(test_s / (args.workers * wall_s), 3),
-        "mean_candidate_s": round(sum(o.seconds for o in outcomes) / max(1, len(outcomes)), 2),
-        "mean_test_run_s": round(test_s / max(1, runs), 3),
+        "textkit_include": args.include,
+        "real_package": args.real.name,
         "machine": f"{platform.machine()} {platform.python_version()}",
     }
-    print(f"{'metric':<22}value")
-    for key in (
-        "candidates",
-        "valid",
-        "wall_s",
-        "baseline_s",
-        "tasks_per_minute",
-        "test_runs",
-        "test_run_s",
-        "mean_test_run_s",
-        "test_share",
-        "mean_candidate_s",
-    ):
-        print(f"{key:<22}{result[key]}")
+    print(
+        f"{'repo':<12}{'limits':<10}{'valid/cand':>11}{'tasks/min':>11}{'limit s':>9}{'wall s':>9}"
+    )
+    for name, (repo, include) in repos.items():
+        for mode in ("fixed", "baseline"):
+            row = build_once(repo, mode, args.workers, include)
+            for key, value in row.items():
+                result[f"{name}_{mode}_{key}"] = value
+            print(
+                f"{name:<12}{mode:<10}{row['valid']:>5}/{row['candidates']:<5}"
+                f"{row['tasks_per_minute']:>11}{row['time_limit_s']:>9}{row['wall_s']:>9}"
+            )
+        fixed = result[f"{name}_fixed_tasks_per_minute"]
+        derived = result[f"{name}_baseline_tasks_per_minute"]
+        result[f"{name}_speedup"] = round(derived / fixed, 3) if fixed else 0.0
+        print(f"{name:<12}speedup of derived limits: {result[f'{name}_speedup']}x")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -129,3 +129,43 @@ def test_replies_and_config_errors(tmp_path):
     cfg = AgentDeleterConfig(enabled=True, model="m", base_url="http://127.0.0.1:9/v1", timeout_s=2)
     with pytest.raises(RuntimeError, match="request to"):
         chat(cfg, [{"role": "user", "content": "hi"}])
+
+
+def test_a_scripted_agent_deletes_code_and_files_and_the_result_is_validated(tmp_path):
+    """The agent names a function of one module and a whole other file; the factory deletes
+    both together and validates the result like any task."""
+    seen: list[str] = []
+
+    def scripted_agent(messages):
+        prompt = messages[-1]["content"]
+        seen.append(prompt)
+        if "Module `minipkg.shapes`" in prompt:
+            return json.dumps(
+                {
+                    "features": [
+                        {"delete": ["perimeter"], "files": ["minipkg/words.py"], "why": "two"},
+                        {"delete": [], "files": ["minipkg/nothere.py"]},
+                    ]
+                }
+            )
+        return "no features here"
+
+    repo = write_mini_repo(tmp_path / "repo")
+    cfg = TaskBuildConfig(
+        workers=1,
+        min_difficulty=0.0,
+        proposals=ProposalConfig(
+            min_lines=2, include=("nothing.from.the.miner",), modules=False, feature_groups=False
+        ),
+        agent=AgentDeleterConfig(enabled=True, model="scripted"),
+    )
+    with TaskFactory(repo, tmp_path / "out", cfg, agent_model=scripted_agent) as factory:
+        records, report = factory.build()
+    assert any("Files of the package: minipkg/__init__.py" in p for p in seen)
+    (record,) = records
+    assert record.etude.kind == "agent_deletion"
+    assert record.etude.deleted_files == ["minipkg/words.py"]
+    assert "minipkg.shapes.perimeter" in record.etude.symbols
+    assert any(t.startswith("tests/test_words.py") for t in record.FAIL_TO_PASS)
+    assert any(t.startswith("tests/test_shapes.py::test_perimeter") for t in record.FAIL_TO_PASS)
+    assert "not a module of the package" in report.rejected["minipkg.shapes:minipkg/nothere.py"]

@@ -8,12 +8,15 @@ public names) and asks for features as JSON::
 
     {"features": [{"delete": ["slugify", "_fold_accents"], "why": "..."}]}
 
-Each proposal becomes a ``Feature`` only if it passes the same static checks as the factory's
-own (``Miner.custom_feature``: definitions exist, nothing outside the set uses them, tests
+A proposal may also name whole files (modules) of the feature: the model deletes code and files
+so that the rest still works. Each proposal becomes a ``Feature`` only if it passes the same
+static checks as the factory's own (``Miner.custom_feature``: definitions exist, nothing outside the set uses them, tests
 exercise them), and then goes through the same deletion, sanitizing, leak scan and validation;
 the records say ``kind = "agent_deletion"``.
 
-Off by default (``enabled = false``). The key is read from the environment variable named by
+Any OpenAI-compatible chat endpoint works (``etude serve``, vLLM, SGLang, a hosted API); a
+caller may instead pass any chat callable (``model``: messages in, text out), which is how the
+tests drive a scripted agent. Off by default (``enabled = false``). The key is read from the environment variable named by
 ``api_key_env`` and sent as a bearer token; nothing else leaves the machine but the module's
 source. Uses ``urllib`` only.
 
@@ -23,11 +26,13 @@ retry on rate limits beyond one attempt per module, or trust the model's claims 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,18 +101,23 @@ def chat(cfg: AgentDeleterConfig, messages: list[dict[str, str]]) -> str:
         ) from None
 
 
-def module_prompt(module: str, source: str, public: list[str]) -> str:
-    """The user message for one module."""
+def module_prompt(module: str, source: str, public: list[str], files: list[str] = ()) -> str:
+    """The user message for one module (``files``: the package's module paths)."""
     names = ", ".join(public) or "(none)"
+    listing = ", ".join(files) or "(this one only)"
     return (
-        f"Module `{module}`:\n\n```python\n{source}\n```\n\nPublic definitions: {names}.\n\n"
-        'Reply with {"features": [{"delete": [names...], "why": "..."}]}, where names are '
-        "top-level names or Class.method, including the private helpers only that feature uses."
+        f"Module `{module}`:\n\n```python\n{source}\n```\n\nPublic definitions: {names}.\n"
+        f"Files of the package: {listing}.\n\n"
+        'Reply with {"features": [{"delete": [names...], "files": [paths...], "why": "..."}]}, '
+        "where names are top-level names or Class.method of this module, including the private "
+        "helpers only that feature uses, and files (optional) are whole modules of the package "
+        "that belong to the feature and nothing else uses."
     )
 
 
-def parse_features(text: str) -> list[list[str]]:
-    """The ``delete`` lists of a model reply (the first JSON object in it); [] if none parse."""
+def parse_proposals(text: str) -> list[tuple[list[str], list[str]]]:
+    """``(names, files)`` of each feature in a model reply (the first JSON object in it); []
+    if none parse. A malformed item is skipped."""
     match = re.search(r"\{.*\}", text, re.DOTALL)
     if not match:
         return []
@@ -117,16 +127,42 @@ def parse_features(text: str) -> list[list[str]]:
         return []
     out = []
     for item in data.get("features", []) if isinstance(data, dict) else []:
-        names = item.get("delete") if isinstance(item, dict) else None
-        if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
-            out.append(list(dict.fromkeys(names)))
+        if not isinstance(item, dict):
+            continue
+        names = item.get("delete", [])
+        files = item.get("files", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            continue
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            continue
+        if names or files:
+            out.append((list(dict.fromkeys(names)), list(dict.fromkeys(files))))
     return out
 
 
+def parse_features(text: str) -> list[list[str]]:
+    """The ``delete`` lists of a model reply (``parse_proposals`` without the files)."""
+    return [names for names, _ in parse_proposals(text) if names]
+
+
+ChatModel = Callable[[list[dict[str, str]]], str]
+"""A model as the deleter uses it: chat messages in, the assistant's text out."""
+
+
 def propose_with_agent(
-    miner: Any, cfg: AgentDeleterConfig, proposal_cfg: Any
+    miner: Any, cfg: AgentDeleterConfig, proposal_cfg: Any, *, model: ChatModel | None = None
 ) -> tuple[list[Any], dict[str, str]]:
-    """Ask the model about every importable module; return (features, rejected name -> reason)."""
+    """Ask the model about every importable module; return (features, rejected name -> reason).
+
+    ``model``: any chat callable (a scripted agent in tests, an in-process engine); default: the
+    OpenAI-compatible endpoint of ``cfg`` (``chat``). A proposal that names files deletes those
+    modules whole together with its definitions (``mine.combine``).
+    """
+    from etude.tasks.mine import Feature, combine
+
+    ask = model or (lambda messages: chat(cfg, messages))
+    path_to_module = {p: m for m, p in miner.layout.modules.items()}
+    files = sorted(miner.layout.modules.values())
     features = []
     rejected: dict[str, str] = {}
     for module, mod in sorted(miner.index.items()):
@@ -135,17 +171,35 @@ def propose_with_agent(
         public = [q for q in mod.units if not any(p.startswith("_") for p in q.split("."))]
         if not public:
             continue
-        reply = chat(
-            cfg,
+        reply = ask(
             [
                 {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": module_prompt(module, mod.source, public)},
-            ],
+                {"role": "user", "content": module_prompt(module, mod.source, public, files)},
+            ]
         )
-        for names in parse_features(reply)[: cfg.max_features_per_module]:
-            result = miner.custom_feature(module, names, proposal_cfg)
-            if isinstance(result, str):
-                rejected[f"{module}:{'+'.join(names)}"] = f"agent proposal: {result}"
-            else:
-                features.append(result)
+        for names, paths in parse_proposals(reply)[: cfg.max_features_per_module]:
+            key = f"{module}:{'+'.join(names + paths)}"
+            parts: list[Any] = []
+            reason = ""
+            if names:
+                found = miner.custom_feature(module, names, proposal_cfg)
+                if isinstance(found, str):
+                    reason = found
+                else:
+                    parts.append(found)
+            for path in paths:
+                target = path_to_module.get(path, path if path in miner.index else None)
+                if target is None:
+                    reason = reason or f"{path} is not a module of the package"
+                    continue
+                found = miner.module_feature(target, proposal_cfg)
+                if isinstance(found, str):
+                    reason = reason or f"{path}: {found}"
+                else:
+                    parts.append(found)
+            if reason or not parts:
+                rejected[key] = f"agent proposal: {reason or 'nothing to delete'}"
+                continue
+            feature: Feature = parts[0] if len(parts) == 1 else combine(parts)
+            features.append(dataclasses.replace(feature, kind="agent"))
     return features, rejected

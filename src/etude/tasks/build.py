@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from etude.sandbox import SandboxConfig, make_sandbox
-from etude.tasks.agent_deleter import propose_with_agent
+from etude.tasks.agent_deleter import ChatModel, propose_with_agent
 from etude.tasks.baseline import derived_time_limit
 from etude.tasks.build_config import TaskBuildConfig
 from etude.tasks.build_report import BuildReport, TaskOutcome, reason_category
@@ -113,8 +113,10 @@ class TaskFactory(VariantMaker):
         cfg: TaskBuildConfig | None = None,
         *,
         log: Callable[[str], None] | None = None,
+        agent_model: ChatModel | None = None,
     ) -> None:
         self.repo = Path(repo).resolve()
+        self.agent_model = agent_model
         if not self.repo.is_dir():
             raise ValueError(
                 f"repository {str(repo)!r} is not a directory; pass a repo or an unpacked sdist"
@@ -521,7 +523,7 @@ class TaskFactory(VariantMaker):
             features = list(proposals.features)
             if self.cfg.agent.enabled:
                 agent_features, agent_rejected = propose_with_agent(
-                    self.miner, self.cfg.agent, self.cfg.proposals
+                    self.miner, self.cfg.agent, self.cfg.proposals, model=self.agent_model
                 )
                 features += agent_features
                 self.proposals_rejected.update(agent_rejected)
