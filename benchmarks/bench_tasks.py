@@ -7,8 +7,8 @@ Builds the tasks of ``examples/repos/textkit`` (the features matching ``--includ
 two of its modules) and of one real package (``--real``: an unpacked sdist; default the
 inflection 0.5.1 sdist under ``$ETUDE_SDIST_DIR``), each twice in the same run: with
 ``time_limits = "fixed"`` (every validation run may take ``test_timeout_s`` = 600 s, the factory's
-old behaviour) and with ``time_limits = "baseline"`` (each run may take 3x the baseline's slowest
-whole-suite run, at least 20 s). For each it prints validated tasks per minute of wall-clock time
+old behaviour) and with ``time_limits = "baseline"`` (each run may take 5x the baseline's slowest
+whole-suite run, at least 30 s). For each it prints validated tasks per minute of wall-clock time
 (baseline included), the time limit, the slowest candidate, the share of worker time spent inside
 sandboxed test runs, and the cost of the baseline. Flat keys ``REPO_MODE_METRIC`` go to the JSON.
 

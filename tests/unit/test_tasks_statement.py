@@ -115,3 +115,19 @@ def test_method_and_module_statements(textkit):
 def test_group_tests_counts_parameters():
     ids = ["a.py::t[1]", "a.py::t[2]", "a.py::u", "a.py::C::v[x-y]"]
     assert group_tests(ids) == ["a.py::t (2 cases)", "a.py::u", "a.py::C::v"]
+
+
+def test_module_summary_is_whole_and_run_line_has_the_pytest_arguments(textkit):
+    layout, sources = textkit
+    sources = dict(sources)
+    sources["textkit/roman.py"] = (
+        '"""Roman numerals: conversion in both directions, with\nvalidation of the input.\n\n'
+        'More text.\n"""\n' + sources["textkit/roman.py"].split('"""', 2)[2]
+    )
+    module = _feature("module", ["textkit.roman.to_roman"], files=["textkit/roman.py"])
+    text = problem_statement(
+        module, sources, layout, F2P, "full", pytest_args=["--noconftest", "-o", "addopts="]
+    )
+    assert "(Roman numerals: conversion in both directions, with validation of the input)" in text
+    assert "More text" not in text.split("Interface", 1)[0]
+    assert "python -m pytest --noconftest -o addopts=" in text

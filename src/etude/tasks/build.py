@@ -433,7 +433,12 @@ class TaskFactory(VariantMaker):
                 )
             instance_id = self._new_id(feature, detail)
             statement = problem_statement(
-                feature, self.sources, self.layout, validation.fail_to_pass, detail
+                feature,
+                self.sources,
+                self.layout,
+                validation.fail_to_pass,
+                detail,
+                pytest_args=self.pytest_args,
             )
             target = self.out_dir / "workspaces" / instance_id
             target.parent.mkdir(parents=True, exist_ok=True)

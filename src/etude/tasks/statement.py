@@ -19,6 +19,7 @@ repository's choice), or translate anything into natural language beyond fixed t
 
 from __future__ import annotations
 
+import shlex
 import textwrap
 from collections.abc import Mapping, Sequence
 
@@ -213,9 +214,16 @@ def group_tests(test_ids: Sequence[str]) -> list[str]:
     return [f"{base} ({n} cases)" if n > 1 else base for base, n in counts.items()]
 
 
-def _run_command(layout: Layout) -> str:
-    env = " ".join(f"{k}={v}" for k, v in sorted(layout.test_env.items()))
-    return f"{env} python -m pytest".strip()
+def _run_command(layout: Layout, pytest_args: Sequence[str] = ()) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(layout.test_env.items()))
+    args = " ".join(shlex.quote(a) for a in pytest_args)
+    return " ".join(p for p in (env, "python -m pytest", args) if p)
+
+
+def first_paragraph(doc: str) -> str:
+    """The first paragraph of a docstring as one line (a summary that spans lines stays whole)."""
+    paragraph = doc.strip().split("\n\n", 1)[0]
+    return " ".join(paragraph.split())
 
 
 def problem_statement(
@@ -224,13 +232,15 @@ def problem_statement(
     layout: Layout,
     fail_to_pass: Sequence[str],
     detail: str,
+    pytest_args: Sequence[str] = (),
 ) -> str:
-    """The statement of a task deleting ``feature`` (``sources``: original path -> text)."""
+    """The statement of a task deleting ``feature`` (``sources``: original path -> text;
+    ``pytest_args``: what the tests need on pytest's command line, shown in the run command)."""
     if detail not in DETAIL_RANK:
         raise ValueError(f"detail level {detail!r} must be one of {list(DETAIL_RANK)}")
     tests = "\n".join(f"- {t}" for t in group_tests(list(fail_to_pass)))
     footer = (
-        f"These tests fail now and must pass once the feature is back (run `{_run_command(layout)}` "
+        f"These tests fail now and must pass once the feature is back (run `{_run_command(layout, pytest_args)}` "
         f"from the repository root):\n\n{tests}\n\nEvery other test must keep passing. "
         "Do not modify the tests.\n"
     )
@@ -277,7 +287,7 @@ def _module_block(module: str, path: str, source: str, items: list[str], detail:
     how = f"`from {parent} import {last}`" if parent else f"`import {module}`"
     doc = module_docstring(source)
     intro = f"The module `{module}` is missing: {how} fails. Write `{path}` again"
-    intro += f" ({doc.splitlines()[0].rstrip('.')})" if doc else ""
+    intro += f" ({first_paragraph(doc).rstrip('.')})" if doc else ""
     public = [q for q in items if not q.startswith("_")]
     if detail == "full":
         outlines = "\n\n\n".join(outline_symbol(source, q).rstrip("\n") for q in public)
