@@ -1,5 +1,6 @@
 """The test-based reward on the hand-written tasks: the oracle earns 1.0, doing nothing 0.0, and
-no edit to the tests (or planted pytest configuration) can buy a reward."""
+no edit to the tests (or planted pytest configuration) can buy a reward: the grader takes only
+the agent's changes to the package source, on a pristine copy."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from etude.env.coding import CodingEnv, EnvConfig, run_episode
 from etude.env.oracle import OracleAgent
-from etude.env.reward import compute_reward, paths_to_restore, restore_test_files
+from etude.env.reward import compute_reward
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer, default_corpus
 from etude.tasks.record import TaskRecord, load_tasks, resolve_workspace
 
@@ -71,7 +72,7 @@ def test_oracle_earns_full_reward(task: TaskRecord, tok: Tokenizer, tmp_path: Pa
         trajectory = run_episode(env, OracleAgent(task, base_dir=str(BASE)))
     assert trajectory.reward == 1.0 and trajectory.finish_reason == "submit"
     assert trajectory.tests == {i: "passed" for i in [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]}
-    assert trajectory.info["restored_test_files"] == []
+    assert trajectory.info["grade"]["status"] == "passed"
     assert trajectory.info["error_counts"] == {}
     assert list(tmp_path.iterdir()) == []  # episode and scoring directories are gone
 
@@ -85,7 +86,7 @@ def test_doing_nothing_earns_zero(tok: Tokenizer, tmp_path: Path) -> None:
         if task is SLUGIFY:
             continue
         result = compute_reward(task, resolve_workspace(task, BASE), base_dir=BASE)
-        assert result.reward == 0.0 and result.restored == []
+        assert result.reward == 0.0 and result.changed == []
         # the roman task lacks a whole module: its tests cannot even be collected
         assert result.collection_error == (task.instance_id == "textkit__roman")
 
@@ -98,7 +99,7 @@ def test_gold_patch_earns_one_and_test_edits_never_count(tmp_path: Path) -> None
     (solved / "tests" / "test_wrap.py").unlink()
     result = compute_reward(SLUGIFY, solved, base_dir=BASE)
     assert result.reward == 1.0
-    assert result.restored == ["tests/test_case.py", "tests/test_wrap.py"]
+    assert result.changed == ["textkit/case.py"]
     assert '== "nope"' in test_file.read_text()  # the scored workspace itself is left alone
 
 
@@ -111,7 +112,7 @@ def test_editing_the_tests_earns_nothing(tok: Tokenizer, tmp_path: Path) -> None
         tmp_path,
     )
     assert trajectory.reward == 0.0
-    assert trajectory.info["restored_test_files"] == ["tests/test_case.py"]
+    assert trajectory.info["grade"]["changed"] == []
     assert trajectory.tests["tests/test_case.py::TestSlugify::test_basic"] == "failed"
 
 
@@ -122,9 +123,7 @@ def test_deleting_the_tests_earns_nothing(tok: Tokenizer, tmp_path: Path) -> Non
         [call("bash", command="rm -rf tests && mkdir tests"), call("submit")],
         tmp_path,
     )
-    assert trajectory.reward == 0.0
-    restored = trajectory.info["restored_test_files"]
-    assert "tests/test_case.py" in restored and "tests/test_roman.py" in restored
+    assert trajectory.reward == 0.0 and trajectory.info["grade"]["status"] == "failed"
     assert not trajectory.info["collection_error"]
 
 
@@ -137,9 +136,9 @@ def test_planted_conftest_and_pytest_config_earn_nothing(tok: Tokenizer, tmp_pat
         call("submit"),
     ]
     trajectory, results = episode(SLUGIFY, tok, texts, tmp_path)
-    assert results[1].observations[0].startswith("pytest: all")  # the rig fools the live run
-    assert trajectory.reward == 0.0
-    assert trajectory.info["restored_test_files"] == ["conftest.py", "tests/pytest.ini"]
+    # run_tests grades like the reward: the rig does not fool the agent's own run either
+    assert results[1].observations[0].startswith("pytest: 211 passed, 11 failed")
+    assert trajectory.reward == 0.0 and trajectory.info["grade"]["changed"] == []
 
 
 def test_breaking_collection_earns_zero(tmp_path: Path) -> None:
@@ -149,47 +148,3 @@ def test_breaking_collection_earns_zero(tmp_path: Path) -> None:
     result = compute_reward(SLUGIFY, solved, base_dir=BASE)
     assert result.reward == 0.0 and result.collection_error
     assert all(outcome != "passed" for outcome in result.tests.values())
-
-
-def test_restore_rules(tmp_path: Path) -> None:
-    original = tmp_path / "original"
-    for rel, text in {
-        "pkg/mod.py": "x = 1\n",
-        "pkg/test_inline.py": "def test_x(): pass\n",
-        "tests/data/input.txt": "data\n",
-        "tests/conftest.py": "",
-        "pyproject.toml": "[project]\nname = 'pkg'\n",
-        "hidden/answers.txt": "42\n",
-    }.items():
-        (original / rel).parent.mkdir(parents=True, exist_ok=True)
-        (original / rel).write_text(text)
-    ids = ["tests/test_a.py::test_a"]
-    assert paths_to_restore(original, ids, ["hidden"]) == [
-        "hidden/answers.txt",
-        "pkg/test_inline.py",
-        "pyproject.toml",
-        "tests/conftest.py",
-        "tests/data/input.txt",
-    ]
-    scored = tmp_path / "scored"
-    shutil.copytree(original, scored)
-    (scored / "pkg" / "mod.py").write_text("x = 2\n")  # code edits stay
-    (scored / "tests" / "data" / "input.txt").unlink()
-    shutil.rmtree(scored / "hidden")
-    (scored / "hidden").symlink_to(tmp_path)
-    (scored / "pkg" / "conftest.py").write_text("")
-    (scored / "pkg" / "setup.cfg").write_text("[tool:pytest]\n")
-    changed = restore_test_files(original, scored, ids, ["hidden"])
-    assert changed == [
-        "hidden",
-        "hidden/answers.txt",
-        "pkg/conftest.py",
-        "pkg/setup.cfg",
-        "tests/data/input.txt",
-    ]
-    assert (scored / "pkg" / "mod.py").read_text() == "x = 2\n"
-    assert (scored / "tests" / "data" / "input.txt").read_text() == "data\n"
-    assert not (scored / "hidden").is_symlink()
-    assert (scored / "hidden" / "answers.txt").read_text() == "42\n"
-    assert not (scored / "pkg" / "conftest.py").exists()
-    assert restore_test_files(original, scored, ids, ["hidden"]) == []

@@ -134,7 +134,7 @@ def test_test_edit_is_reverted_on_the_next_turn(tok: Tokenizer) -> None:
         restore.call.arguments["content"]
         == (resolve_workspace(SLUGIFY, BASE) / "tests" / "test_case.py").read_text()
     )
-    assert trajectory.reward == 1.0 and trajectory.info["restored_test_files"] == []
+    assert trajectory.reward == 1.0 and trajectory.info["grade"]["changed"] == ["textkit/case.py"]
 
 
 def test_skip_tests_submits_without_running_them(tok: Tokenizer) -> None:

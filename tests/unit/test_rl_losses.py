@@ -24,6 +24,27 @@ def test_group_advantages_known_values():
     assert broadcast_to_tokens(0.5, torch.tensor([0, 1, 1])).tolist() == [0.0, 0.5, 0.5]
 
 
+def test_ungraded_rollouts_are_masked_from_group_statistics():
+    """An infra outcome (reward None, stored as 0.0 with valid=False) moves no statistic."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+    valid = torch.tensor([[True, True, False, False], [False, True, True, True]])
+    out = group_advantages(rewards, valid_NG=valid)
+    assert torch.allclose(out.advantages_NG[0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    third = 1.0 / 3.0
+    assert torch.allclose(
+        out.advantages_NG[1], torch.tensor([0.0, -2 * third, third, third]), atol=1e-6
+    )
+    alone = group_advantages(rewards[:1], valid_NG=torch.tensor([[True, False, False, False]]))
+    assert alone.zero_variance_N.tolist() == [True] and torch.equal(
+        alone.advantages_NG, torch.zeros(1, 4)
+    )
+    normed = group_advantages(rewards, normalize_std=True, valid_NG=valid).advantages_NG
+    assert torch.allclose(
+        normed[0, :2], torch.tensor([0.5, -0.5]) / (torch.tensor([1.0, 0.0]).std() + 1e-6)
+    )
+    assert normed[0, 2:].abs().sum() == 0
+
+
 def test_ppo_clip_value_and_token_mean():
     logp = torch.log(torch.tensor([0.5, 0.5, 0.5]))
     old = torch.log(torch.tensor([0.5, 0.25, 0.5]))

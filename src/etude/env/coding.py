@@ -19,8 +19,10 @@
   before ``<|im_end|>``, runs no tools); or after ``wall_clock_s`` seconds from ``reset`` (no
   further tool call starts, and each call's timeout is capped by the time left). The last
   turn's observations may take the conversation past ``max_tokens``; they are never trained on.
-- ``finish()`` scores the final workspace (``etude.env.reward``: tests restored, fresh sandbox)
-  whatever ended the episode, and returns the `Trajectory`: every message as a `Turn` with its
+- ``finish()`` grades the final workspace (``etude.env.reward`` through ``etude.sandbox.grade``:
+  the agent's changes to package source on a pristine copy, a fresh sandbox) whatever ended the
+  episode, records the grade (status, reason) in ``info['grade']`` (reward None when the grader
+  could not grade: an ``infra`` outcome is not a score), and returns the `Trajectory`: every message as a `Turn` with its
   ids, trainable mask (1 on the assistant's generated ids and ``<|im_end|>`` only), behavior
   logprobs (0.0 where not given or not trainable), parsed calls and typed errors.
 - ``close()`` removes the episode directory (the env is a context manager).
@@ -32,9 +34,10 @@ detect hacks (``etude.monitor``) or decide which turns get hints (``etude.rl.fee
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-import re
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -49,7 +52,13 @@ from etude.env.protocol import (
     system_prompt,
     turn_record,
 )
-from etude.env.reward import compute_reward, copy_workspace, remove_tree
+from etude.env.reward import (
+    RewardResult,
+    compute_reward,
+    copy_workspace,
+    remove_tree,
+    task_grading,
+)
 from etude.env.tools import Toolbox, ToolConfig, tool_schemas
 from etude.env.trajectory import ToolCall, ToolError, Trajectory
 from etude.model.chat import Conversation, Span, encode_header
@@ -149,8 +158,79 @@ class Agent(Protocol):
         ...
 
 
-def _dir_prefix(instance_id: str) -> str:
-    return "etude-episode-" + re.sub(r"[^A-Za-z0-9_.-]", "_", instance_id)[:40] + "-"
+# Episode directories are named by process id only: the task (and so the deleted symbol) must
+# not show in any path the agent can see. The pid lets a later run tell a killed run's leftovers
+# from a live run's directories.
+EPISODE_PREFIX = "etude-ep-"
+STALE_PREFIXES = (EPISODE_PREFIX, "etude-grade-")
+# names of earlier versions (no pid): removed when older than this many seconds
+LEGACY_PREFIXES = ("etude-episode-", "etude-reward-")
+LEGACY_STALE_S = 24 * 3600.0
+_cleaned: set[str] = set()
+
+
+def _dir_prefix() -> str:
+    return f"{EPISODE_PREFIX}{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_dirs(work_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """Remove episode and grading directories that killed runs left in ``work_dir`` (default:
+    the system temp directory); returns their paths.
+
+    A directory is stale when the process named in it (``etude-ep-PID-...``,
+    ``etude-grade-PID-...``) no longer runs; directories of an earlier naming scheme without a
+    pid when untouched for a day. Directories of live processes are never touched.
+    """
+    root = Path(work_dir or tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        name = entry.name
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        stale = False
+        for prefix in STALE_PREFIXES:
+            if name.startswith(prefix):
+                pid = name[len(prefix) :].split("-", 1)[0]
+                stale = pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+        if name.startswith(LEGACY_PREFIXES):
+            try:
+                stale = now - entry.stat(follow_symlinks=False).st_mtime > LEGACY_STALE_S
+            except OSError:
+                stale = False
+        if stale:
+            try:
+                remove_tree(entry.path)
+            except OSError:
+                continue  # another cleaner got there first, or it is not ours to remove
+            removed.append(entry.path)
+    return removed
+
+
+def _holding_busy(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` holding the env's ``busy`` lock (the pool closes an abandoned env only
+    once its stuck call has released it)."""
+
+    @functools.wraps(method)
+    def wrapper(self: CodingEnv, *args: Any, **kwargs: Any) -> Any:
+        with self.busy:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class CodingEnv:
@@ -193,6 +273,8 @@ class CodingEnv:
         self._num_assistant_turns = 0
         self._finish_reason = ""
         self._scored = False
+        self.busy = threading.RLock()
+        """Held while reset, step or finish runs."""
 
     # ------------------------------------------------------------ state
 
@@ -240,16 +322,17 @@ class CodingEnv:
 
     # ------------------------------------------------------------ lifecycle
 
+    @_holding_busy
     def reset(self) -> Conversation:
         """Start a new episode (removing the previous one's directory); returns the conversation."""
         self.close()
         etude = self.task.etude
         assert etude is not None
-        episode_dir = Path(
-            tempfile.mkdtemp(
-                prefix=_dir_prefix(self.task.instance_id), dir=self.cfg.work_dir or None
-            )
-        )
+        work_dir = self.cfg.work_dir or tempfile.gettempdir()
+        if work_dir not in _cleaned:  # once per process and directory
+            _cleaned.add(work_dir)
+            remove_stale_dirs(work_dir)
+        episode_dir = Path(tempfile.mkdtemp(prefix=_dir_prefix(), dir=work_dir))
         self._episode_dir = episode_dir
         try:
             source = Path(etude.workspace)
@@ -262,13 +345,23 @@ class CodingEnv:
             copy_workspace(self._original, episode_dir / "workspace")
             self._repo = repo_facts(self.task, episode_dir / "workspace")
             hidden = tuple(dict.fromkeys([*self.cfg.sandbox.hidden_paths, *etude.hidden_paths]))
+            # hidden content never enters the episode's tree (the sandbox masks and the tools'
+            # checks go by name, and a rename would carry it out from under them); the grader
+            # takes it from the pristine tree
+            strip_hidden(episode_dir / "workspace", hidden)
             sandbox_cfg = dataclasses.replace(self.cfg.sandbox, hidden_paths=hidden)
+            spec = task_grading(self.task)
             self._toolbox = Toolbox(
                 episode_dir / "workspace",
                 sandbox=make_sandbox(None, sandbox_cfg),
                 cfg=self.cfg.tools,
-                test_ids=[*self.task.FAIL_TO_PASS, *self.task.PASS_TO_PASS],
+                test_ids=spec.test_ids,
                 hidden_paths=hidden,
+                pristine=self._original,
+                allowed=spec.allowed,
+                test_env=spec.test_env,
+                pytest_args=spec.pytest_args,
+                work_dir=self.cfg.work_dir or None,
             )
             self._start_conversation()
         except BaseException:
@@ -301,6 +394,7 @@ class CodingEnv:
         self._scored = False
         self._started = self._clock()
 
+    @_holding_busy
     def step(
         self,
         text: str | None = None,
@@ -395,6 +489,7 @@ class CodingEnv:
             raise ValueError("the episode directory was closed; call reset() for a new episode")
         return self._toolbox
 
+    @_holding_busy
     def finish(self) -> Trajectory:
         """Score the final workspace and return the finished trajectory (idempotent)."""
         trajectory = self.trajectory
@@ -406,16 +501,21 @@ class CodingEnv:
             return trajectory
         if self._episode_dir is None or self._original is None:
             raise ValueError("the episode directory was closed before finish(); nothing to score")
-        result = compute_reward(
-            self.task,
-            self.workspace,
-            original=self._original,
-            sandbox=self.cfg.sandbox,
-            timeout=self.cfg.reward_timeout_s,
-            work_dir=self.cfg.work_dir or None,
-        )
+        try:
+            result = compute_reward(
+                self.task,
+                self.workspace,
+                original=self._original,
+                sandbox=self.cfg.sandbox,
+                timeout=self.cfg.reward_timeout_s,
+                work_dir=self.cfg.work_dir or None,
+            )
+        except OSError as e:  # the host failed (disk full, a copy refused): not a score
+            reason = f"grading failed on the host: {e}"
+            result = RewardResult(reward=None, status="infra", reason=reason)
+            result.grade = {"status": "infra", "reason": reason}
         errors = Counter(e.kind for _, t in trajectory.assistant_turns() for e in t.errors)
-        trajectory.reward = result.reward
+        trajectory.reward = result.reward  # None when the grader could not grade (infra)
         trajectory.tests = dict(result.tests)
         trajectory.finish_reason = self._finish_reason
         trajectory.info.update(
@@ -427,7 +527,7 @@ class CodingEnv:
             reward_seconds=round(result.duration, 3),
             collection_error=result.collection_error,
             reward_timed_out=result.timed_out,
-            restored_test_files=list(result.restored),
+            grade=dict(result.grade),
         )
         self._scored = True
         return trajectory
@@ -479,6 +579,18 @@ def repo_facts(task: TaskRecord, workspace: Path) -> dict[str, Any]:
         "test_files": list(layout.test_files),
         "test_sources": sources,
     }
+
+
+def strip_hidden(workspace: Path, hidden: Sequence[str]) -> None:
+    """Remove the hidden paths' content from ``workspace``: a hidden directory stays as an empty
+    directory (so the sandbox still has something to mask), a hidden file goes."""
+    for rel in hidden:
+        target = workspace / rel
+        if target.is_dir() and not target.is_symlink():
+            remove_tree(target)
+            target.mkdir()
+        elif os.path.lexists(target):
+            target.unlink()
 
 
 def run_episode(env: CodingEnv, agent: Agent) -> Trajectory:

@@ -1,179 +1,112 @@
-"""The test-based reward: the task's tests, run on the final workspace with the tests restored.
+"""The test-based reward: the task's tests, graded by ``etude.sandbox.grade`` on a clean room.
 
 ``compute_reward(task, workspace)`` scores a workspace the way an episode's end is scored:
 
-1. copy the workspace into a fresh scoring directory (regular files, directories and symlinks;
-   FIFOs, sockets and devices are left out, so copying can not block or read a device);
-2. restore the task's test files there from the task's original workspace (`paths_to_restore`):
-   the files the test ids name, every file under a ``tests``/``test`` directory, every
-   ``test_*.py``, ``*_test.py`` and ``conftest.py``, the pytest configuration files at any level
-   (``pytest.ini``, ``.pytest.ini``, ``pyproject.toml``, ``tox.ini``, ``setup.cfg``) and the task's
-   hidden paths. Edited files are overwritten, deleted ones come back, and ``conftest.py`` or
-   pytest configuration files the original does not have are removed (they could rewrite
-   outcomes or deselect tests). So edits to tests never count;
-3. run ``FAIL_TO_PASS + PASS_TO_PASS`` in a new sandbox with nothing hidden
-   (``etude.sandbox.run_pytest``);
-4. reward 1.0 when every one of those ids passed and the run was sound, else 0.0. A run that broke
-   collection (a syntax error in the package, a missing module), timed out, or left an id without
-   a result scores 0.0: "no failures reported" is not "all passed".
+1. `task_grading` reads what the record says about grading: the files the agent may change
+   (the package prefixes of the gold patch, ``etude.sandbox.cleanroom.allowed_from_paths``), the
+   test ids (``FAIL_TO_PASS + PASS_TO_PASS``), and ``etude.extra.test_env`` /
+   ``etude.extra.pytest_args`` (a src layout's ``PYTHONPATH=src``, ``-o addopts=``...);
+2. ``grade`` copies the task's pristine workspace, applies only the agent's changes to allowed
+   package source (tests, configuration, conftest files, plugins, start-up hooks, bytecode and
+   new top-level modules never count), runs the ids in a fresh sandbox with an isolated
+   interpreter, and reads the outcome from a result channel it cross-checks;
+3. reward 1.0 when the grade is ``passed``, 0.0 when ``failed`` or ``error`` (a broken
+   collection, a timeout, tampering), and **None** when ``infra`` (the grader could not grade:
+   the sandbox did not start, the copy failed). A None reward is masked from the group's
+   statistics by the trainer and counted; it is never a 0.
 
-The per-test outcomes are kept (`RewardResult.tests`), and the scoring directory is removed.
-
-What this does not catch: a change to the code under test that detects it is being tested
-(monitoring is ``etude.monitor``'s job), a plugin loaded from a non-test module the tests import,
-or edits to configuration files of other tools. A foreign record without ``etude.workspace``
-can not be scored here (there is no original to restore from).
+What this does not catch: a change to allowed source that passes by special-casing the tests
+(code that detects the test run, hard-coded answers): that is ``etude.monitor``'s job. A foreign
+record without ``etude.workspace`` can not be scored here (there is no pristine tree).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import os
 import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from etude.sandbox import SandboxConfig, make_sandbox, run_pytest
+from etude.sandbox import SandboxConfig, grade
+from etude.sandbox.cleanroom import allowed_from_paths
+from etude.sandbox.grade import Outcome
+from etude.tasks.delete import patch_paths
 from etude.tasks.record import TaskRecord, resolve_workspace
-
-TEST_DIR_NAMES = frozenset({"tests", "test"})
-TEST_FILE_PATTERNS = ("test_*.py", "*_test.py", "conftest.py")
-PYTEST_CONFIG_NAMES = frozenset(
-    {"pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg"}
-)
-# files whose mere presence changes how pytest collects or reports: removed when the original
-# workspace has none at that place
-PLANTABLE_NAMES = PYTEST_CONFIG_NAMES | {"conftest.py"}
 
 
 @dataclass(kw_only=True, slots=True)
 class RewardResult:
     """The score of one workspace."""
 
-    reward: float
-    """1.0 when every FAIL_TO_PASS and PASS_TO_PASS id passed in a sound run, else 0.0."""
+    reward: float | None
+    """1.0 passed, 0.0 failed or error, None when the grader could not grade (``infra``)."""
+    status: str = "failed"
+    """The grade: ``passed``, ``failed``, ``error`` or ``infra``."""
+    reason: str = ""
+    """Why the grade is not ``passed`` (one line)."""
     tests: dict[str, str] = field(default_factory=dict)
     """Outcome per test id of the task: ``passed``, ``failed``, ``error`` or ``skipped``."""
     collection_error: bool = False
     """pytest could not collect or run the tests (counts as failing)."""
     timed_out: bool = False
-    restored: list[str] = field(default_factory=list)
-    """Test files the scoring copy got back from the original (changed, deleted or planted)."""
+    changed: list[str] = field(default_factory=list)
+    """Allowed files the grade took from the workspace (changed, added or removed)."""
     duration: float = 0.0
-    """Seconds for copying, restoring and the test run."""
+    """Seconds for the whole grading."""
     output: str = ""
     """The tail of pytest's output."""
+    grade: dict[str, object] = field(default_factory=dict)
+    """The grader's outcome as recorded on a trajectory (``Outcome.to_dict``)."""
 
 
-def _walk_files(root: Path) -> Iterable[str]:
-    """Relative POSIX paths of every non-directory entry under ``root`` (symlinks not followed)."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            yield (Path(dirpath) / name).relative_to(root).as_posix()
-        # a symlink to a directory is listed in dirnames but not descended into: it is an entry
-        for name in dirnames:
-            if os.path.islink(os.path.join(dirpath, name)):
-                yield (Path(dirpath) / name).relative_to(root).as_posix()
+@dataclass(kw_only=True, slots=True)
+class TaskGrading:
+    """What a task record says about grading it (the arguments of ``etude.sandbox.grade``)."""
+
+    allowed: list[str]
+    test_ids: list[str]
+    test_env: dict[str, str]
+    pytest_args: list[str]
 
 
-def _is_test_path(rel: str) -> bool:
-    parts = PurePosixPath(rel).parts
-    name = parts[-1]
-    return (
-        any(p in TEST_DIR_NAMES for p in parts[:-1])
-        or any(fnmatch.fnmatchcase(name, pattern) for pattern in TEST_FILE_PATTERNS)
-        or name in PYTEST_CONFIG_NAMES
+def task_grading(task: TaskRecord) -> TaskGrading:
+    """The allowed paths, test ids, test environment and pytest arguments of ``task``."""
+    extra = task.etude.extra if task.etude is not None else {}
+    test_env = extra.get("test_env", {})
+    pytest_args = extra.get("pytest_args", [])
+    if not isinstance(test_env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in test_env.items()
+    ):
+        raise ValueError(
+            f"task {task.instance_id!r}: etude.test_env must map names to strings, got {test_env!r}"
+        )
+    if not isinstance(pytest_args, list) or not all(isinstance(a, str) for a in pytest_args):
+        raise ValueError(
+            f"task {task.instance_id!r}: etude.pytest_args must be a list of strings, "
+            f"got {pytest_args!r}"
+        )
+    allowed = allowed_from_paths(patch_paths(task.patch))
+    if not allowed:
+        raise ValueError(
+            f"task {task.instance_id!r}: its gold patch touches no package source, so no change "
+            "of an agent could count; check the record's 'patch'"
+        )
+    return TaskGrading(
+        allowed=allowed,
+        test_ids=[*task.FAIL_TO_PASS, *task.PASS_TO_PASS],
+        test_env=dict(test_env),
+        pytest_args=list(pytest_args),
     )
 
 
-def _is_under(rel: str, prefix: str) -> bool:
-    return rel == prefix or rel.startswith(prefix.rstrip("/") + "/")
-
-
-def paths_to_restore(
-    original: str | os.PathLike[str], test_ids: Sequence[str], hidden_paths: Sequence[str] = ()
-) -> list[str]:
-    """The files of ``original`` the reward restores (see the module docstring), sorted."""
-    original = Path(original)
-    named = {test_id.split("::", 1)[0].rstrip("/") for test_id in test_ids}
-    out = []
-    for rel in _walk_files(original):
-        if (
-            _is_test_path(rel)
-            or any(_is_under(rel, n) for n in named)
-            or any(_is_under(rel, h) for h in hidden_paths)
-        ):
-            out.append(rel)
-    return sorted(out)
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or not path.is_dir():
-        path.unlink()
-    else:
-        remove_tree(path)
-
-
-def _make_dirs(root: Path, rel_dir: PurePosixPath) -> None:
-    """Create ``root/rel_dir`` as real directories, replacing files or symlinks in the way."""
-    current = root
-    for part in rel_dir.parts:
-        current = current / part
-        if current.is_symlink() or (current.exists() and not current.is_dir()):
-            current.unlink()
-        if not current.exists():
-            current.mkdir()
-
-
-def restore_test_files(
-    original: str | os.PathLike[str],
-    scored: str | os.PathLike[str],
-    test_ids: Sequence[str],
-    hidden_paths: Sequence[str] = (),
-) -> list[str]:
-    """Make ``scored``'s test files equal to ``original``'s; returns the paths that changed."""
-    original, scored = Path(original), Path(scored)
-    changed = []
-    wanted = paths_to_restore(original, test_ids, hidden_paths)
-    wanted_set = set(wanted)
-    # planted files first: conftest.py or pytest configuration the original does not have,
-    # and anything inside a hidden path that the original does not have
-    for rel in list(_walk_files(scored)):
-        name = PurePosixPath(rel).name
-        planted = name in PLANTABLE_NAMES or any(_is_under(rel, h) for h in hidden_paths)
-        if planted and rel not in wanted_set:
-            _remove(scored / rel)
-            changed.append(rel)
-    for rel in wanted:
-        src, dst = original / rel, scored / rel
-        _make_dirs(scored, PurePosixPath(rel).parent)
-        if os.path.lexists(dst):
-            if _same_entry(src, dst):
-                continue
-            _remove(dst)
-        if src.is_symlink():
-            os.symlink(os.readlink(src), dst)
-        else:
-            shutil.copy2(src, dst)
-        changed.append(rel)
-    return sorted(set(changed))
-
-
-def _same_entry(a: Path, b: Path) -> bool:
-    if a.is_symlink() or b.is_symlink():
-        return a.is_symlink() and b.is_symlink() and os.readlink(a) == os.readlink(b)
-    if not (a.is_file() and b.is_file()):
-        return False
-    sa, sb = a.stat(), b.stat()
-    if sa.st_size != sb.st_size or (sa.st_mode & 0o777) != (sb.st_mode & 0o777):
-        return False
-    return a.read_bytes() == b.read_bytes()
+def reward_of(outcome: Outcome) -> float | None:
+    """1.0 for ``passed``, None for ``infra`` (not a score), else 0.0."""
+    if outcome.status == "infra":
+        return None
+    return 1.0 if outcome.status == "passed" else 0.0
 
 
 def _copyable(directory: str, names: list[str]) -> list[str]:
@@ -237,17 +170,16 @@ def compute_reward(
     timeout: float = 300.0,
     work_dir: str | os.PathLike[str] | None = None,
 ) -> RewardResult:
-    """Score ``workspace`` for ``task`` (see the module docstring); ``workspace`` keeps its
-    content (only permission bits its owner lacks may be added, see `copy_workspace`).
+    """Score ``workspace`` for ``task`` (see the module docstring); ``workspace`` is only read.
 
-    ``original`` is the task's untouched workspace (default: resolved from the record against
+    ``original`` is the task's pristine workspace (default: resolved from the record against
     ``base_dir``, an archive extracted for the call). ``sandbox`` gives the limits of the test
     run (its hidden paths are dropped: the reward sees everything). ``work_dir`` is where the
-    scoring directory goes (default: the system temp directory).
+    grading copy goes (default: the system temp directory).
     """
     start = time.monotonic()
-    test_ids = [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]
-    if not test_ids:
+    spec = task_grading(task)
+    if not spec.test_ids:
         raise ValueError(
             f"task {task.instance_id!r} has no FAIL_TO_PASS or PASS_TO_PASS tests; "
             "a reward needs at least one test id"
@@ -255,30 +187,38 @@ def compute_reward(
     workspace = Path(workspace)
     if not workspace.is_dir():
         raise ValueError(f"workspace {str(workspace)!r} to score is not a directory")
-    hidden = list(task.etude.hidden_paths) if task.etude is not None else []
-    sandbox_cfg = dataclasses.replace(sandbox or SandboxConfig(), hidden_paths=())
-    scratch = Path(tempfile.mkdtemp(prefix="etude-reward-", dir=work_dir))
+    scratch: Path | None = None
     try:
         if original is None:
+            scratch = Path(tempfile.mkdtemp(prefix=f"etude-grade-{os.getpid()}-", dir=work_dir))
             source = resolve_workspace(task, base_dir, dest=scratch / "original")
         else:
             source = Path(original)
             if not source.is_dir():
                 raise ValueError(f"original workspace {str(source)!r} is not a directory")
-        scored = copy_workspace(workspace, scratch / "workspace", grant_access=True)
-        restored = restore_test_files(source, scored, test_ids, hidden)
-        run = run_pytest(make_sandbox(None, sandbox_cfg), scored, test_ids, timeout=timeout)
+        outcome = grade(
+            source,
+            workspace,
+            spec.allowed,
+            spec.test_ids,
+            spec.test_env,
+            spec.pytest_args,
+            sandbox=sandbox or SandboxConfig(),
+            timeout=timeout,
+            work_dir=work_dir,
+        )
     finally:
-        remove_tree(scratch)
-    tests = {test_id: run.outcome(test_id) for test_id in test_ids}
-    passed = run.all_passed(test_ids)
-    assert not passed or all(o == "passed" for o in tests.values()), tests
+        if scratch is not None:
+            remove_tree(scratch)
     return RewardResult(
-        reward=1.0 if passed else 0.0,
-        tests=tests,
-        collection_error=run.collection_error,
-        timed_out=run.timed_out,
-        restored=restored,
+        reward=reward_of(outcome),
+        status=outcome.status,
+        reason=outcome.reason,
+        tests={test_id: outcome.outcome(test_id) for test_id in spec.test_ids},
+        collection_error=bool(outcome.collection_errors),
+        timed_out=outcome.timed_out,
+        changed=list(outcome.changed),
         duration=time.monotonic() - start,
-        output=run.output,
+        output=outcome.output,
+        grade=outcome.to_dict(),
     )

@@ -19,16 +19,19 @@ The tools (`TOOL_SCHEMAS`):
 - ``search(pattern, path=".")``: a Python regular expression (``re`` syntax) searched line by line
   in the text files under ``path``; ``PATH:LINE: text`` results, capped. Matching runs inside the
   sandbox with a time limit, because a hostile pattern can backtrack for hours;
-- ``run_tests(tests=None)``: pytest on the given node ids (default: the task's tests) through
-  ``etude.sandbox.run_pytest``; a summary line, the ids that did not pass, the output's tail;
+- ``run_tests(tests=None)``: the given node ids (default: the task's tests) graded exactly as the
+  reward grades them (``etude.sandbox.grade``: the workspace's changes to the package source on
+  a pristine copy, with the task's test environment and pytest arguments, hidden paths left
+  out); a summary line, the ids that did not pass, the output's tail;
 - ``bash(command)``: ``bash -c command`` in the sandbox; exit code, stdout, stderr;
 - ``submit()``: ends the episode.
 
 Paths: relative to the workspace root. An absolute path, a ``..`` component, or a path that
 resolves (through symlinks) outside the workspace is refused with a ``path_escape`` error; so is
 a path under one of the task's hidden paths (they are neither listed nor read; the sandbox
-masks them for commands). File tools run in this process on the resolved path and read regular
-files only (a FIFO would block); there is no concurrent process that could swap a path between
+masks them for commands). File tools run in this process on the resolved path and open regular
+files only, without following a final symlink and without blocking (a FIFO is refused before a
+byte moves, for writes too); there is no concurrent process that could swap a path between
 check and use, because the sandbox kills every process of a command when the command ends.
 
 What this module does not do: parse tool calls from model text (``etude.env.protocol``), limit
@@ -40,6 +43,7 @@ the episode (``etude.env.coding``), or contain commands itself (``etude.sandbox`
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
@@ -52,7 +56,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from etude.env.trajectory import ToolError
-from etude.sandbox import Sandbox, run_pytest
+from etude.sandbox import Sandbox, grade
+from etude.sandbox.cleanroom import read_regular
+from etude.sandbox.grade import grading_sandbox
 
 
 def _function(
@@ -349,9 +355,31 @@ class WorkspacePaths:
     def __init__(self, root: str | os.PathLike[str], hidden_paths: Sequence[str] = ()) -> None:
         self.root = Path(os.path.realpath(root))
         self.hidden = tuple(PurePosixPath(p).as_posix() for p in hidden_paths)
+        # hidden entries by identity too, so that a rename (`mv tests tests_moved`) does not
+        # carry them out from under their names
+        self._hidden_inodes: set[tuple[int, int]] = set()
+        for rel in self.hidden:
+            try:
+                st = os.lstat(self.root / rel)
+            except OSError:
+                continue
+            self._hidden_inodes.add((st.st_dev, st.st_ino))
 
     def is_hidden(self, rel: str) -> bool:
-        return any(_is_under(rel, h) for h in self.hidden)
+        if any(_is_under(rel, h) for h in self.hidden):
+            return True
+        if not self._hidden_inodes or rel in ("", "."):
+            return False
+        current = self.root
+        for part in PurePosixPath(rel).parts:
+            current = current / part
+            try:
+                st = os.lstat(current)
+            except OSError:
+                return False
+            if (st.st_dev, st.st_ino) in self._hidden_inodes:
+                return True
+        return False
 
     def resolve(self, raw: str) -> tuple[Path, str]:
         """``(resolved absolute path, normalized relative path)`` or ``ToolFailure(path_escape)``."""
@@ -462,7 +490,9 @@ class Toolbox:
 
     ``test_ids`` are what ``run_tests()`` runs without arguments (the task's tests; empty: the
     whole suite). ``hidden_paths`` are workspace-relative paths the agent may not see; the
-    sandbox should mask the same paths (``SandboxConfig.hidden_paths``).
+    sandbox should mask the same paths (``SandboxConfig.hidden_paths``). ``pristine``,
+    ``allowed``, ``test_env`` and ``pytest_args`` are the task's grading arguments
+    (``etude.sandbox.grade``); without ``pristine`` run_tests grades the workspace as it is.
     """
 
     def __init__(
@@ -473,6 +503,11 @@ class Toolbox:
         cfg: ToolConfig | None = None,
         test_ids: Sequence[str] = (),
         hidden_paths: Sequence[str] = (),
+        pristine: str | os.PathLike[str] | None = None,
+        allowed: Sequence[str] = (),
+        test_env: Mapping[str, str] | None = None,
+        pytest_args: Sequence[str] = (),
+        work_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.paths = WorkspacePaths(workspace, hidden_paths)
         if not self.paths.root.is_dir():
@@ -486,6 +521,12 @@ class Toolbox:
         self.sandbox = sandbox
         self.cfg = cfg if cfg is not None else ToolConfig()
         self.test_ids = tuple(test_ids)
+        self.pristine = Path(pristine) if pristine is not None else None
+        self.allowed = tuple(allowed)
+        self.test_env = dict(test_env or {})
+        self.pytest_args = tuple(pytest_args)
+        self.work_dir = work_dir
+        self._grader: Sandbox | None = None
         self._tools: dict[str, Callable[..., ToolOutcome]] = {
             "list_files": self.list_files,
             "read_file": self.read_file,
@@ -586,7 +627,9 @@ class Toolbox:
                 f"'{rel}' is {st.st_size} bytes, more than the {self.cfg.read_max_file_bytes} "
                 "bytes this tool opens; use bash (head, sed -n) to look at parts of it.",
             )
-        data = path.read_bytes()
+        data = read_regular(path, self.cfg.read_max_file_bytes)
+        if data is None:  # swapped for something else since the check
+            raise ToolFailure("tool_failed", f"'{rel}' is not a regular file.")
         if b"\0" in data:
             raise ToolFailure(
                 "tool_failed", f"'{rel}' is a binary file ({len(data)} bytes); it holds no text."
@@ -640,8 +683,23 @@ class Toolbox:
         if real.is_dir():
             raise ToolFailure("tool_failed", f"'{rel}' is a directory; give a file path.")
         real.parent.mkdir(parents=True, exist_ok=True)
-        with open(real, "wb") as f:
-            f.write(data)
+        # no final symlink, no blocking: a FIFO (or device) in the file's place is refused
+        # before a byte is written, instead of hanging this thread until a reader comes
+        try:
+            fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno in (errno.ENXIO, errno.ELOOP):
+                raise ToolFailure("tool_failed", f"'{rel}' is not a regular file.") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ToolFailure("tool_failed", f"'{rel}' is not a regular file.")
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         return len(data)
 
     def write_file(self, path: str, content: str) -> ToolOutcome:
@@ -762,25 +820,54 @@ class Toolbox:
                 if test_id not in ids:
                     ids.append(test_id)
         timeout = self._timeout(self.cfg.test_timeout_s, time_left)
-        run = run_pytest(self.sandbox, self.paths.root, ids, timeout=timeout)
+        if self._grader is None:
+            self._grader = grading_sandbox(self.sandbox.config)
+        if self.pristine is not None:
+            pristine, final = self.pristine, self.paths.root
+        else:
+            pristine, final = self.paths.root, None
+        run = grade(
+            pristine,
+            final,
+            self.allowed,
+            ids,
+            self.test_env,
+            self.pytest_args,
+            sandbox=self._grader,
+            timeout=timeout,
+            work_dir=self.work_dir,
+            exclude=self.paths.hidden,
+        )
+        results = dict(run.outcomes)
+        for test_id in run.failed_ids:  # asked for and never reported: it did not pass
+            group = test_id.rstrip("/")
+            if not any(i == test_id or i.startswith((group + "::", group + "/")) for i in results):
+                results[test_id] = "error"
         counts: dict[str, int] = {}
-        for outcome in run.results.values():
+        for outcome in results.values():
             counts[outcome] = counts.get(outcome, 0) + 1
         summary = ", ".join(f"{counts[o]} {o}" for o in _SUMMARY_ORDER if o in counts)
+        if run.status == "passed":
+            return ToolOutcome(
+                observation=f"pytest: all {len(run.passed_ids)} passed ({run.seconds:.1f} s)."
+            )
         if run.timed_out:
             head = f"pytest timed out after {timeout:.0f} s and was killed."
-        elif run.collection_error:
+        elif run.status == "error":
             head = (
-                f"pytest could not collect or run the tests (exit code {run.exit_code}); "
-                "none of them counts as passed."
+                f"pytest could not collect or run the tests ({run.reason}); none of them "
+                "counts as passed."
             )
-        elif run.all_passed():
-            return ToolOutcome(
-                observation=f"pytest: all {len(run.results)} passed ({run.duration:.1f} s)."
-            )
+        elif run.status == "infra":
+            head = f"the tests could not be run here ({run.reason}); try again."
         else:
-            head = f"pytest: {summary} ({run.duration:.1f} s)."
-        not_passed = [f"  {o} {i}" for i, o in sorted(run.results.items()) if o != "passed"]
+            head = f"pytest: {summary} ({run.seconds:.1f} s)."
+        if self.pristine is not None:
+            head += (
+                " (Graded like the final reward: only your changes to the package source count; "
+                "edits to tests or configuration are ignored.)"
+            )
+        not_passed = [f"  {o} {i}" for i, o in sorted(results.items()) if o != "passed"]
         parts = [head]
         if not_passed:
             shown = not_passed[:30]

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from etude.config import to_dict
 from etude.engine.sampling import sampling_logprobs
 from etude.env.coding import EnvConfig
-from etude.env.trajectory import ERROR_KINDS, Trajectory, write_jsonl
+from etude.env.trajectory import ERROR_KINDS, Trajectory, is_infra_failure, write_jsonl
 from etude.monitor.hook import MonitorConfig
 from etude.optim import OptimConfig
 from etude.rl.advantages import group_advantages
@@ -338,6 +338,11 @@ def spawn_variants(
     return task_pool.maybe_spawn(factory_getter())
 
 
+def _graded(trajectory: Trajectory) -> bool:
+    """Whether the episode has a reward: not an infrastructure failure (reward None)."""
+    return trajectory.reward is not None and not is_infra_failure(trajectory)
+
+
 def gather_group_rewards(
     trajectories: Sequence[Trajectory], group_size: int
 ) -> list[tuple[str, list[float]]]:
@@ -345,7 +350,8 @@ def gather_group_rewards(
     mine = [
         (
             trajectories[i].task_id,
-            [float(t.reward or 0.0) for t in trajectories[i : i + group_size]],
+            # an ungraded rollout (an infra outcome, reward None) is no evidence of difficulty
+            [float(t.reward) for t in trajectories[i : i + group_size] if _graded(t)],
         )
         for i in range(0, len(trajectories), group_size)
     ]
@@ -424,7 +430,9 @@ def trajectory_advantages(
     """Per trajectory: its group-relative advantage, and whether its group had zero variance."""
     assert len(trajectories) % group_size == 0
     rewards_NG = torch.tensor([float(t.reward or 0.0) for t in trajectories]).view(-1, group_size)
-    adv = group_advantages(rewards_NG, normalize_std=cfg.normalize_std)
+    # an infra outcome (the grader could not grade) is masked from the group's statistics
+    valid_NG = torch.tensor([_graded(t) for t in trajectories]).view(-1, group_size)
+    adv = group_advantages(rewards_NG, normalize_std=cfg.normalize_std, valid_NG=valid_NG)
     zero = adv.zero_variance_N[:, None].expand(-1, group_size).reshape(-1).tolist()
     return adv.advantages_NG.reshape(-1).tolist(), zero
 
@@ -965,7 +973,7 @@ class RLRun:
             return
         pool = self.task_pool
         for task_id, rewards in gather_group_rewards(batch.trajectories, cfg.rollout.group_size):
-            if pool is not None:
+            if pool is not None and rewards:
                 pool.update(task_id, rewards)
         if pool is not None and self.spawning:
             assert self.variant_factory is not None
@@ -1167,6 +1175,7 @@ def _step_metrics(
     local: dict[str, float] = {
         "episodes": len(trajectories),
         "reward_sum": sum(float(t.reward or 0.0) for t in trajectories),
+        "grade_infra": sum(not _graded(t) for t in trajectories),
         "passed": sum(passed),
         "zero_var_groups": sum(zero_var) / max(len(zero_var), 1) * num_groups,
         "hinted_turns": len({(h.row, h.turn) for h in hinted}),
@@ -1196,6 +1205,7 @@ def _step_metrics(
         "loss": total.get("loss", 0.0) / num_minibatches,
         "pg_loss": total.get("pg_loss", 0.0) / num_minibatches,
         "reward": total["reward_sum"] / episodes,
+        "grade_infra": total["grade_infra"],
         "pass_rate": total["passed"] / episodes,
         "zero_var_groups": total["zero_var_groups"],
         "hints": total["hinted_turns"],

@@ -2,7 +2,9 @@
 
 ``make_sandbox(backend, cfg).run(cmd, cwd, timeout=, env=, stdin=) -> Result`` runs untrusted
 code (an agent's shell command, a task's test suite) with the workspace ``cwd`` as the only
-writable place; ``run_pytest`` runs test ids in it and parses per-test outcomes.
+writable place; ``run_pytest`` runs test ids in it and parses per-test outcomes; ``grade`` is the
+one grader (clean room, isolated interpreter, a result channel, cross-checks) behind every
+reward and task check (``etude.sandbox.grade``).
 
 What IS contained, per backend:
 
@@ -34,8 +36,9 @@ from __future__ import annotations
 
 from etude.sandbox.base import Backend, Result, Sandbox, SandboxConfig
 from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
+from etude.sandbox.grade import Outcome, Status, grade
 from etude.sandbox.local import LocalSandbox
-from etude.sandbox.pytest import Outcome, TestRun, run_pytest
+from etude.sandbox.pytest import TestOutcome, TestRun, run_pytest
 
 __all__ = [
     "Backend",
@@ -45,7 +48,10 @@ __all__ = [
     "Result",
     "Sandbox",
     "SandboxConfig",
+    "Status",
+    "TestOutcome",
     "TestRun",
+    "grade",
     "make_sandbox",
     "run_pytest",
 ]

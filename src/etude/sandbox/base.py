@@ -65,6 +65,12 @@ class SandboxConfig:
     """Size of the private /tmp and /dev/shm (tmpfs, bwrap only); it is host memory when used."""
     hidden_paths: tuple[str, ...] = ()
     """Workspace-relative paths the command must not read: masked by an empty read-only mount."""
+    readonly_paths: tuple[str, ...] = ()
+    """Workspace-relative paths the command may read but not change (bwrap: read-only binds;
+    the grader makes the tests and configuration of a graded copy read-only this way)."""
+    masked_paths: tuple[str, ...] = ()
+    """Absolute host paths the command must not see (e.g. an installed copy of a task's
+    package): an empty read-only mount over each (bwrap)."""
     extra_ro_paths: tuple[str, ...] = ()
     """Absolute host paths to show read-only at the same path (bwrap), e.g. another interpreter."""
     network: bool = False
@@ -111,6 +117,18 @@ class SandboxConfig:
                 raise ValueError(
                     f"sandbox.hidden_paths entry {rel!r} must be a path inside the workspace, "
                     "relative and without '..' (e.g. 'tests/hidden')"
+                )
+        for rel in self.readonly_paths:
+            p = PurePosixPath(rel)
+            if not rel or p.is_absolute() or ".." in p.parts or p == PurePosixPath("."):
+                raise ValueError(
+                    f"sandbox.readonly_paths entry {rel!r} must be a path inside the workspace, "
+                    "relative and without '..' (e.g. 'tests')"
+                )
+        for path in self.masked_paths:
+            if not PurePosixPath(path).is_absolute() or path == "/":
+                raise ValueError(
+                    f"sandbox.masked_paths entry {path!r} must be an absolute host path below /"
                 )
         for path in self.extra_ro_paths:
             if not PurePosixPath(path).is_absolute():

@@ -13,8 +13,12 @@ One ``bwrap`` invocation per command builds a new mount, PID, IPC, UTS, cgroup a
 - the workspace, read-write, **at its own host path** (not a fixed ``/workspace``), so paths in
   tracebacks, pytest node ids and tool output agree inside and outside the sandbox;
 - over each existing ``hidden_paths`` entry an empty read-only mount: a tmpfs for a directory,
-  ``/dev/null`` for a file. Mounts copied into a nested user namespace are locked by the kernel,
-  so a command cannot unmount a mask to look underneath.
+  ``/dev/null`` for a file; an entry once seen under a hidden name stays masked after a rename
+  (``mv tests tests_moved``: it is found again by device and inode). The same empty mounts go
+  over each ``masked_paths`` host path (an installed copy of a task's package), and
+  ``readonly_paths`` entries of the workspace are bound read-only. Mounts copied into a nested
+  user namespace are locked by the kernel, so a command cannot unmount a mask to look
+  underneath.
 
 Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes, file
 size, open files, no core files). Root ignores RLIMIT_NPROC, also inside a user namespace that
@@ -128,6 +132,8 @@ class BwrapSandbox:
         self._python_bin = python_bin_dir()
         self._ro_roots: list[str] = []
         self._dirs_made: set[str] = set()
+        # (device, inode) of every hidden entry seen, per workspace (to follow renames)
+        self._hidden_inodes: dict[str, set[tuple[int, int]]] = {}
         self._static_args = self._build_static_args()
         self.not_isolated = (
             "disk use in the workspace (only each file's size is capped, by max_file_bytes)",
@@ -214,20 +220,61 @@ class BwrapSandbox:
                     "use a dedicated episode directory (e.g. under /tmp)"
                 )
 
-    def _masks(self, ws: Path) -> list[str]:
-        """Empty read-only mounts over the hidden paths that exist in the workspace now."""
-        args: list[str] = []
+    def _hidden_targets(self, ws: Path) -> list[str]:
+        """Real paths of the hidden entries of ``ws``: where they are by name, and where an entry
+        first seen under a hidden name is now (found by device and inode after a rename)."""
+        seen = self._hidden_inodes.setdefault(str(ws), set())
+        found: list[str] = []
+        missing = False
         for rel in self.config.hidden_paths:
             target = ws / rel
             if not os.path.lexists(target):
+                missing = True
                 continue
             real = os.path.realpath(target)
             if not _is_within(real, str(ws)):
                 continue  # a link leading out of the workspace: nothing of the workspace is there
+            st = os.stat(real)
+            seen.add((st.st_dev, st.st_ino))
+            found.append(real)
+        if missing and seen:
+            # `mv tests tests_moved` carries a hidden entry out from under its name: look for it
+            for dirpath, dirnames, filenames in os.walk(ws):
+                for name in dirnames + filenames:
+                    path = os.path.join(dirpath, name)
+                    try:
+                        st = os.lstat(path)
+                    except FileNotFoundError:
+                        continue
+                    if (st.st_dev, st.st_ino) in seen and path not in found:
+                        found.append(path)
+                dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in found]
+        return found
+
+    def _masks(self, ws: Path) -> list[str]:
+        """Read-only binds over the readonly paths, then empty read-only mounts over the hidden
+        paths and the masked host paths."""
+        args: list[str] = []
+        for rel in self.config.readonly_paths:
+            target = ws / rel
+            if os.path.lexists(target):
+                real = os.path.realpath(target)
+                if _is_within(real, str(ws)) and real != str(ws):
+                    args += ["--ro-bind", real, real]
+        for real in self._hidden_targets(ws):
             if os.path.isdir(real):
                 args += ["--perms", "0555", "--tmpfs", real, "--remount-ro", real]
             else:
                 args += ["--ro-bind", "/dev/null", real]
+        for path in self.config.masked_paths:
+            if not os.path.lexists(path) or os.path.islink(path):
+                continue
+            if not any(_is_within(path, r) for r in self._ro_roots):
+                continue  # not visible in the sandbox anyway
+            if os.path.isdir(path):
+                args += ["--perms", "0555", "--tmpfs", path, "--remount-ro", path]
+            else:
+                args += ["--ro-bind", "/dev/null", path]
         return args
 
     def command(

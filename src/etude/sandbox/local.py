@@ -12,7 +12,7 @@ command as the caller, in the workspace, in a new session, with:
 
 It does NOT contain: the network; the filesystem outside the workspace (everything the caller can
 read or write, the command can too, including the Python installation); hidden paths (they stay
-readable); the process namespace (a process that calls ``setsid()`` leaves the group and survives
+readable), read-only and masked paths; the process namespace (a process that calls ``setsid()`` leaves the group and survives
 the kill); the process count as root. Constructing it warns with that list.
 """
 
@@ -75,6 +75,7 @@ class LocalSandbox:
             "filesystem outside the workspace (readable and writable with the caller's rights, "
             "the Python installation included)",
             "hidden paths (no masks: the command can read them)",
+            "readonly and masked paths (no binds: the command can change and read them)",
             "process namespace (commands see the host's processes; one that calls setsid() "
             "survives the kill)",
             "/tmp (shared with the host; only HOME and TMPDIR are private)",

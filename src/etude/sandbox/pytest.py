@@ -34,9 +34,9 @@ from typing import Literal
 
 from etude.sandbox.base import Sandbox
 
-Outcome = Literal["passed", "failed", "error", "skipped"]
+TestOutcome = Literal["passed", "failed", "error", "skipped"]
 # the worst outcome first: it decides the outcome of a group (a file or class id)
-OUTCOME_ORDER: tuple[Outcome, ...] = ("error", "failed", "skipped", "passed")
+OUTCOME_ORDER: tuple[TestOutcome, ...] = ("error", "failed", "skipped", "passed")
 # pytest exit codes that mean the requested tests were never run: interrupted (collection
 # errors), internal error, usage error (e.g. a file that does not exist), no tests collected
 NOT_RUN_EXIT_CODES = (2, 3, 4, 5)
@@ -52,7 +52,7 @@ class TestRun:
 
     requested: tuple[str, ...]
     """The test ids asked for (empty: the whole suite of the workspace)."""
-    results: dict[str, Outcome]
+    results: dict[str, TestOutcome]
     """Outcome per node id that ran, plus ``error`` for each requested id that produced nothing."""
     exit_code: int
     """pytest's exit status (0 all passed, 1 failures, 2-5 the run broke; 137 killed)."""
@@ -66,7 +66,7 @@ class TestRun:
     duration: float
     """Wall-clock seconds of the sandboxed run."""
 
-    def outcome(self, test_id: str) -> Outcome:
+    def outcome(self, test_id: str) -> TestOutcome:
         """The outcome of a node id, or the worst outcome under a file/class id; ``error`` if none."""
         if test_id in self.results:
             return self.results[test_id]
@@ -143,20 +143,20 @@ def _read_report(path: Path) -> bytes | None:
 
 def parse_junit(
     data: bytes, requested: Sequence[str], workspace: Path
-) -> tuple[dict[str, Outcome], bool] | None:
+) -> tuple[dict[str, TestOutcome], bool] | None:
     """``(outcome per node id, saw a collection error)`` from report bytes; None if unparseable."""
     try:
         root = ET.fromstring(data)
     except ET.ParseError:
         return None
     by_address = {junit_address(i): i for i in requested}
-    results: dict[str, Outcome] = {}
+    results: dict[str, TestOutcome] = {}
     collection_error = False
     for case in root.iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
         tags = {child.tag: child for child in case}
         if "failure" in tags:
-            outcome: Outcome = "failed"
+            outcome: TestOutcome = "failed"
         elif "error" in tags:
             outcome = "error"
             if tags["error"].get("message", "") == "collection failure":

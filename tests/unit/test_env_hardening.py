@@ -1,0 +1,153 @@
+"""Attacks on the episode machinery around the grader: a FIFO in a tool write's place, a rename
+that carries hidden files out from under their mask, a tool call that overruns the pool's wait,
+leftovers of killed runs, and episode directory names that would tell the task."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from etude.env.coding import CodingEnv, EnvConfig, remove_stale_dirs
+from etude.env.pool import EnvPool
+from etude.env.tools import Toolbox
+from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer, default_corpus
+from etude.sandbox import SandboxConfig, make_sandbox
+from etude.sandbox.bwrap import bwrap_unavailable_reason
+from etude.tasks.record import load_tasks
+
+BASE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "handwritten"
+SLUGIFY = {t.instance_id: t for t in load_tasks(BASE / "tasks.jsonl")}["textkit__case.slugify"]
+needs_bwrap = pytest.mark.skipif(
+    bwrap_unavailable_reason() is not None, reason=f"bwrap: {bwrap_unavailable_reason()}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.train(default_corpus(200_000), 512)
+
+
+def call(name: str, **arguments) -> str:
+    import json
+
+    return f"{TOOL_CALL_START}{json.dumps({'name': name, 'arguments': arguments})}{TOOL_CALL_END}"
+
+
+def finishes_within(seconds: float, function, *args):
+    """``function(*args)``'s result, or fail when it has not returned within ``seconds``."""
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(result=function(*args)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still blocked after {seconds} s"
+    return box["result"]
+
+
+def test_write_onto_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    tools = Toolbox(ws, sandbox=make_sandbox())
+    made = tools.call("bash", {"command": "mkfifo pipe && mkfifo pkg_mod.py"})
+    assert made.observation.startswith("exit code: 0")
+    for name in ("write_file", "replace_in_file", "read_file"):
+        arguments = {"path": "pipe"}
+        if name == "write_file":
+            arguments["content"] = "x"
+        elif name == "replace_in_file":
+            arguments.update(old="a", new="b")
+        outcome = finishes_within(10, tools.call, name, arguments)
+        assert outcome.error is not None and outcome.error.kind == "tool_failed"
+        assert "not a regular file" in outcome.observation
+    assert (ws / "pipe").is_fifo()
+
+
+@needs_bwrap
+def test_a_rename_does_not_carry_hidden_files_out_of_their_mask(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    (ws / "tests" / "hidden").mkdir(parents=True)
+    (ws / "tests" / "hidden" / "answers.txt").write_text("the answer is 42\n")
+    (ws / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
+    hidden = ("tests/hidden",)
+    tools = Toolbox(
+        ws, sandbox=make_sandbox("bwrap", SandboxConfig(hidden_paths=hidden)), hidden_paths=hidden
+    )
+    assert "42" not in tools.call("bash", {"command": "cat tests/hidden/answers.txt"}).observation
+    moved = tools.call("bash", {"command": "mv tests tests_moved && echo moved"})
+    assert "moved" in moved.observation
+    shown = tools.call("bash", {"command": "cat tests_moved/hidden/answers.txt; ls -R"})
+    assert "42" not in shown.observation
+    read = tools.call("read_file", {"path": "tests_moved/hidden/answers.txt"})
+    assert read.error is not None and read.error.kind == "path_escape"
+    found = tools.call("search", {"pattern": "answer is"})
+    assert "42" not in found.observation
+
+
+def test_an_episode_never_holds_hidden_content(tok: Tokenizer, tmp_path: Path) -> None:
+    """The hidden paths of a task are left out of the episode's tree: no rename can reach them."""
+    from dataclasses import replace
+
+    task = replace(SLUGIFY, etude=replace(SLUGIFY.etude, hidden_paths=["tests/test_case.py"]))
+    with CodingEnv(task, EnvConfig(work_dir=str(tmp_path)), tokenizer=tok, base_dir=BASE) as env:
+        env.reset()
+        assert not (env.workspace / "tests" / "test_case.py").exists()
+        result = env.step(call("bash", command="mv tests t2 && cat t2/test_case.py | head -3"))
+        assert "def test_" not in result.observation
+
+
+def test_a_tool_call_that_overruns_the_pool_is_infra_not_zero(tok: Tokenizer, tmp_path: Path):
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = EnvConfig(work_dir=str(work))
+    with EnvPool(cfg, tokenizer=tok, base_dir=BASE, max_workers=2, step_timeout_s=1.0) as pool:
+        slow, quick = pool.make_env(SLUGIFY), pool.make_env(SLUGIFY)
+        pool.reset_many([slow, quick])
+        start = time.monotonic()
+        results = pool.step_many([(slow, call("bash", command="sleep 4")), (quick, call("submit"))])
+        assert time.monotonic() - start < 3.5  # the pool did not wait for the stuck call
+        assert results[0].done and results[0].finish_reason == "timeout"
+        assert results[1].finish_reason == "submit"
+        assert pool.is_abandoned(slow) and not pool.is_abandoned(quick)
+        stuck, scored = pool.finish_many([slow, quick])
+        assert stuck.reward is None and stuck.info["grade"]["status"] == "infra"
+        assert "did not finish within 1 s" in stuck.info["grade"]["reason"]
+        assert scored.reward == 0.0 and scored.info["grade"]["status"] == "failed"
+        deadline = time.monotonic() + 30
+        while slow.episode_dir is not None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the reaper closes the abandoned env once its call returns
+        assert slow.episode_dir is None
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_directories_of_killed_runs_are_removed(tok: Tokenizer, tmp_path: Path) -> None:
+    dead = _dead_pid()
+    stale = [tmp_path / f"etude-ep-{dead}-abc", tmp_path / f"etude-grade-{dead}-def"]
+    live = [tmp_path / f"etude-ep-{os.getppid()}-ghi", tmp_path / "etude-episode-recent"]
+    old = tmp_path / "etude-reward-old"
+    for path in [*stale, *live, old]:
+        (path / "ws").mkdir(parents=True)
+        (path / "ws" / "f.py").write_text("x = 1\n")
+    os.chmod(stale[0] / "ws", 0)  # a run may leave unreadable directories behind
+    day_ago = time.time() - 2 * 24 * 3600
+    os.utime(old, (day_ago, day_ago))
+    with CodingEnv(SLUGIFY, EnvConfig(work_dir=str(tmp_path)), tokenizer=tok, base_dir=BASE) as env:
+        env.reset()
+        for path in [*stale, old]:
+            assert not path.exists()
+        for path in live:
+            assert path.exists()
+        # the episode's own directory names no task, symbol or file of it
+        name = env.episode_dir.name
+        assert name.startswith(f"etude-ep-{os.getpid()}-")
+        for word in ("slugify", "case", "textkit"):
+            assert word not in name
+    assert remove_stale_dirs(tmp_path) == []
