@@ -350,7 +350,7 @@ class CodingEnv:
             # takes it from the pristine tree
             strip_hidden(episode_dir / "workspace", hidden)
             sandbox_cfg = dataclasses.replace(self.cfg.sandbox, hidden_paths=hidden)
-            spec = task_grading(self.task)
+            spec = task_grading(self.task, self._original)
             self._toolbox = Toolbox(
                 episode_dir / "workspace",
                 sandbox=make_sandbox(None, sandbox_cfg),
@@ -529,6 +529,8 @@ class CodingEnv:
             reward_timed_out=result.timed_out,
             grade=dict(result.grade),
         )
+        if result.status == "infra":  # masked by the trainer (``etude.env.ray_pool`` agrees)
+            trajectory.info["infra"] = result.reason or "the grader could not grade"
         self._scored = True
         return trajectory
 

@@ -299,4 +299,5 @@ def infra_trajectory(env: CodingEnv, reason: str) -> Trajectory:
     trajectory.reward = None
     trajectory.finish_reason = trajectory.finish_reason or env.finish_reason or "timeout"
     trajectory.info["grade"] = {"status": "infra", "reason": reason}
+    trajectory.info["infra"] = reason
     return trajectory

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etude.sandbox import SandboxConfig, grade
-from etude.sandbox.cleanroom import allowed_from_paths
+from etude.sandbox.cleanroom import allowed_from_paths, allowed_from_tree
 from etude.sandbox.grade import Outcome
 from etude.tasks.delete import patch_paths
 from etude.tasks.record import TaskRecord, resolve_workspace
@@ -72,8 +72,12 @@ class TaskGrading:
     pytest_args: list[str]
 
 
-def task_grading(task: TaskRecord) -> TaskGrading:
-    """The allowed paths, test ids, test environment and pytest arguments of ``task``."""
+def task_grading(task: TaskRecord, pristine: str | os.PathLike[str] | None = None) -> TaskGrading:
+    """The allowed paths, test ids, test environment and pytest arguments of ``task``.
+
+    The allowed paths are the package prefixes its gold patch touches; a record without such a
+    patch allows the package directories of its ``pristine`` tree.
+    """
     extra = task.etude.extra if task.etude is not None else {}
     test_env = extra.get("test_env", {})
     pytest_args = extra.get("pytest_args", [])
@@ -89,10 +93,12 @@ def task_grading(task: TaskRecord) -> TaskGrading:
             f"got {pytest_args!r}"
         )
     allowed = allowed_from_paths(patch_paths(task.patch))
+    if not allowed and pristine is not None:
+        allowed = allowed_from_tree(pristine)
     if not allowed:
         raise ValueError(
-            f"task {task.instance_id!r}: its gold patch touches no package source, so no change "
-            "of an agent could count; check the record's 'patch'"
+            f"task {task.instance_id!r}: neither its gold patch nor its workspace names a "
+            "package directory, so no change of an agent could count; check the record's 'patch'"
         )
     return TaskGrading(
         allowed=allowed,
@@ -178,8 +184,7 @@ def compute_reward(
     grading copy goes (default: the system temp directory).
     """
     start = time.monotonic()
-    spec = task_grading(task)
-    if not spec.test_ids:
+    if not task.FAIL_TO_PASS and not task.PASS_TO_PASS:
         raise ValueError(
             f"task {task.instance_id!r} has no FAIL_TO_PASS or PASS_TO_PASS tests; "
             "a reward needs at least one test id"
@@ -196,6 +201,7 @@ def compute_reward(
             source = Path(original)
             if not source.is_dir():
                 raise ValueError(f"original workspace {str(source)!r} is not a directory")
+        spec = task_grading(task, source)
         outcome = grade(
             source,
             workspace,

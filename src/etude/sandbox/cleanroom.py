@@ -103,6 +103,28 @@ def allowed_from_paths(paths: Iterable[str]) -> list[str]:
     return sorted(out)
 
 
+def allowed_from_tree(root: str | os.PathLike[str]) -> list[str]:
+    """The package directories of a tree, for a record whose patch names none: every top-level
+    directory (or ``src/`` directory) holding an ``__init__.py``, test directories left out."""
+    root = Path(root)
+    out = []
+    for base in ("", "src/"):
+        directory = root / base if base else root
+        if not directory.is_dir() or directory.is_symlink():
+            continue
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            name = entry.name
+            if (
+                entry.is_dir(follow_symlinks=False)
+                and name not in TEST_DIR_NAMES
+                and name not in SHADOW_NAMES
+                and not name.startswith(".")
+                and (Path(entry.path) / "__init__.py").is_file()
+            ):
+                out.append(f"{base}{name}/")
+    return out
+
+
 def _under(rel: str, prefix: str) -> bool:
     if prefix.endswith("/"):
         return rel.startswith(prefix)
