@@ -144,6 +144,7 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(server):
         ({"prompt": [1, 99999]}, 400, "outside [0,"),
         ({"prompt": [1], "temperature": -1}, 400, "sampling.temperature must be >= 0"),
         ({"prompt": [1], "tier": "turbo"}, 400, "tier 'turbo' is unknown"),
+        ({"prompt": [1], "service_tier": "gold"}, 400, "service_tier 'gold' is unknown"),
         ({"prompt": [1], "n": 2}, 400, "n must be 1"),
         ({"prompt": []}, 400, "non-empty list of token ids"),
     ]
@@ -152,6 +153,9 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(server):
         assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)
     ok = server.post("/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
+    assert ok.json()["usage"]["tier"] == "fast"  # the default tier
+    flex = server.post("/v1/completions", {"prompt": [5], "max_tokens": 1, "service_tier": "flex"})
+    assert flex.json()["usage"]["tier"] == "standard"
 
 
 def test_completion_tokens_logprobs_usage_and_ledger(server, run_dir):

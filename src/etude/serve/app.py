@@ -215,7 +215,18 @@ class ServeApp:
         return body
 
     def tier_of(self, body: dict[str, Any]) -> Tier:
-        name = body.get("tier", self.cfg.default_tier) or self.cfg.default_tier
+        """``tier`` (fast / standard), else OpenAI's ``service_tier`` (priority -> fast,
+        default / flex -> standard, auto -> the server's default)."""
+        name = body.get("tier")
+        if not name and body.get("service_tier"):
+            mapped = {"priority": "fast", "default": "standard", "flex": "standard", "auto": ""}
+            if body["service_tier"] not in mapped:
+                raise BadRequest(
+                    f"service_tier {body['service_tier']!r} is unknown; use one of "
+                    f"{sorted(mapped)} or tier = fast / standard"
+                )
+            name = mapped[body["service_tier"]]
+        name = name or self.cfg.default_tier
         if name not in self.cfg.tiers:
             raise BadRequest(f"tier {name!r} is unknown; use one of {sorted(self.cfg.tiers)}")
         return self.cfg.tiers[name]
