@@ -182,3 +182,22 @@ def test_shared_prefixes_are_copied_not_recomputed_and_change_nothing(model):
         assert a.token_ids == b.token_ids
         want = full_forward_logprobs(model, prompt, a.token_ids, 1.0)
         torch.testing.assert_close(torch.tensor(a.logprobs), want, atol=1e-5, rtol=0)
+
+
+def test_a_sharer_and_a_long_leader_admitted_together(model):
+    """A request that shares a running row's 50-token prefix (2-token suffix) and a fresh
+    30-token prompt join in one step: their prefills must not be padded together (the sharer's
+    padded positions would run past the cache)."""
+    engine = Engine(model, max_batch_size=4, min_shared_prefix=16)
+    long_prompt = [(5 * i + 1) % 128 for i in range(50)]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    first = engine.submit(long_prompt, params)
+    engine.step()
+    follow = long_prompt + [7, 9]
+    fresh = [(3 * i + 2) % 128 for i in range(30)]
+    ids = [engine.submit(follow, params), engine.submit(fresh, params)]
+    done = run_to_end(engine)
+    assert engine.num_shared_prefix_tokens >= 50 and set(done) == {first, *ids}
+    for rid, prompt in zip(ids, (follow, fresh)):
+        want = full_forward_logprobs(model, prompt, done[rid].token_ids, 0.0)
+        torch.testing.assert_close(torch.tensor(done[rid].logprobs), want, atol=1e-5, rtol=0)

@@ -386,16 +386,19 @@ class Engine:
                 if source is not None:
                     self._cache.copy_row(source.row, seq.row)
                     self.num_shared_prefix_tokens += shared
-            # one forward per run of equal suffix lengths (no padding) under the token budget
+            # one forward per chunk under the token budget; only prefills from position 0 are
+            # padded together: a shared prefix's suffix starts late, so padding it could run
+            # past the cache, and sharers go in runs of equal suffix length
             start = 0
             while start < len(items):
                 stop, longest = start, 0
                 while stop < len(items):
                     seq, _, shared, _ = items[stop]
                     n = len(seq.prompt_ids) + len(seq.token_ids) - shared
+                    needs_equal = shared > 0 or items[start][2] > 0
                     if stop > start and (
                         (stop - start + 1) * max(longest, n) > self.max_prefill_tokens
-                        or (shared > 0 and n != longest)
+                        or (needs_equal and n != longest)
                     ):
                         break
                     longest = max(longest, n)
