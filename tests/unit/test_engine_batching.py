@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -201,3 +203,39 @@ def test_a_sharer_and_a_long_leader_admitted_together(model):
     for rid, prompt in zip(ids, (follow, fresh)):
         want = full_forward_logprobs(model, prompt, done[rid].token_ids, 0.0)
         torch.testing.assert_close(torch.tensor(done[rid].logprobs), want, atol=1e-5, rtol=0)
+
+
+def test_random_arrivals_priorities_aborts_and_shared_prefixes(model):
+    """A seeded random schedule: requests arrive between steps with shared prefixes and two
+    priorities, some are aborted; every finished one equals its run alone and a full forward."""
+    rng = random.Random(0)
+    bases = [[rng.randrange(128) for _ in range(rng.randint(20, 40))] for _ in range(3)]
+    engine = Engine(model, max_batch_size=3, min_shared_prefix=8, latency_batch_size=2)
+    submitted: dict[int, tuple[list[int], SamplingParams]] = {}
+    aborted: set[int] = set()
+    done: dict[int, object] = {}
+    for step in range(60):
+        if step < 30 and rng.random() < 0.5:
+            base = rng.choice(bases)
+            prompt = base[: rng.randint(10, len(base))] + [rng.randrange(128)] * rng.randint(0, 4)
+            params = SamplingParams(
+                max_new_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]), seed=step
+            )
+            rid = engine.submit(prompt, params, priority=rng.choice([0, 0, 1]))
+            submitted[rid] = (prompt, params)
+        if submitted and rng.random() < 0.08:
+            victim = rng.choice(sorted(submitted))
+            if victim not in done and engine.abort(victim):
+                aborted.add(victim)
+        for out in engine.step():
+            if out.generation is not None:
+                done[out.request_id] = out.generation
+    done.update(run_to_end(engine))
+    assert set(done) == set(submitted) - aborted and engine.idle
+    assert engine.num_preemptions > 0 and engine.num_shared_prefix_tokens > 0 and aborted
+    for rid, gen in done.items():
+        prompt, params = submitted[rid]
+        alone = Engine(model, min_shared_prefix=0).generate([prompt], [params])[0]
+        assert alone.token_ids == gen.token_ids
+        want = full_forward_logprobs(model, prompt, gen.token_ids, params.temperature)
+        torch.testing.assert_close(torch.tensor(gen.logprobs), want, atol=1e-5, rtol=0)
