@@ -6,7 +6,10 @@ One step, on every data-parallel rank (the trainer never assumes one rank):
    with the curriculum, rank 0 draws from its pool and broadcasts the records, and every
    ``tasks.spawn_every`` steps the pool spawns validated variants of mastered and never-solved
    tasks from ``tasks.repo`` (``etude.tasks.build.TaskFactory``, made on first need);
-2. **rollout** (``etude.rl.rollout``): G episodes per task with the engine in this process;
+2. **rollout** (``etude.rl.rollout`` through ``etude.rl.pipeline``): G episodes per task with
+   the rollout backend (the engine in this process, or a server); with
+   ``rollout.max_staleness = k > 0`` the batches of the next k steps run while this one trains,
+   and environments run on threads here or on Ray actors (``rollout.workers``);
 3. **monitor** (``etude.monitor.hook.apply_monitor``): flags hacks and zeroes their reward;
 4. **feedback** (``etude.rl.feedback``): detectors attach hints to the turns that need one;
 5. **advantages** (``etude.rl.advantages``): group-relative per task, broadcast to the
@@ -19,8 +22,9 @@ One step, on every data-parallel rank (the trainer never assumes one rank):
    token-level PPO-clip against the behavior logprobs, token-mean over the minibatch's trainable
    tokens on all ranks, + ``teacher.beta`` x the KL on hinted turns (mean over their tokens),
    + ``rl.ref_kl_coef`` x a KL to the initial policy (k3 estimator, off by default);
-8. **weights to the engine** (a plain copy when the policy is sharded; the same module in one
-   process), EMA teacher update, metrics (rank 0 prints, JSONL always), checkpoint.
+8. **weights to the engine** (``etude.rl.weight_sync``: in process, by file, or over HTTP to the
+   server; nothing when the engine runs the policy module itself), EMA teacher update, metrics
+   (rank 0 prints, JSONL always), checkpoint.
 
 Data parallel: under ``torchrun`` the policy is sharded with FSDP2 (``fully_shard`` per block and
 at the root). The engine, the teacher and the reference are plain modules holding full weights
@@ -32,7 +36,7 @@ Resume: a checkpoint holds model and optimizer (DCP), the step, the torch RNG, t
 and the curriculum pool (``tasks.curriculum``); task draws and sampling seeds are functions of
 (seed, step) and that state, so a resumed run continues the same run.
 
-Not here: asynchronous (off-policy) rollouts, a separate inference server, sequence packing.
+Not here: sequence packing; rollout workers that hold their own engine in another process.
 
 Legend: B trajectories in a micro-batch, T tokens, V vocabulary, N selected tokens, G group size.
 """
@@ -64,6 +68,14 @@ from etude.optim import OptimConfig
 from etude.rl.advantages import group_advantages
 from etude.rl.feedback import FeedbackConfig, apply_detectors, build_detectors
 from etude.rl.losses import logprob_entropy, ppo_clip_loss
+from etude.rl.pipeline import (
+    RolloutPipeline,
+    batch_metrics,
+    check_staleness,
+    make_backend,
+    make_env_pool,
+    separate_engine_needed,
+)
 from etude.rl.rollout import RolloutConfig
 from etude.rl.teacher import (
     HintedTurn,
@@ -74,6 +86,7 @@ from etude.rl.teacher import (
     feedback_kl_loss,
     teacher_logits,
 )
+from etude.rl.weight_sync import build_weight_sync
 from etude.runtime import all_reduce_sum, init_distributed, lr_factor, world
 from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.curriculum import CurriculumConfig, TaskPool
@@ -613,6 +626,9 @@ class StepBatch:
     """Whether the optimizer stepped (False: no gradient signal, weights left as they were)."""
     num_minibatches: int = 1
     train_seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+    """Metrics of the pipeline, the weight sync and infrastructure failures (``async/*``,
+    ``sync/*``, ``infra/*``)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -822,7 +838,8 @@ class RLRun:
 
         # plain full-weight modules for generation, teacher and reference (see the docstring)
         model = self.model
-        self.engine_model = model if world_size == 1 else copy.deepcopy(model)
+        separate = separate_engine_needed(cfg.rollout, world_size)
+        self.engine_model = copy.deepcopy(model) if separate else model
         self.teacher = TeacherWeights(cfg.teacher, self.engine_model)
         self.reference = None
         if cfg.rl.ref_kl_coef > 0:
@@ -834,6 +851,11 @@ class RLRun:
         self.engine = Engine(
             self.engine_model, max_seq_len=cfg.env.max_tokens, decode_fn=self.tok.decode
         )
+        self.backend = make_backend(cfg.rollout, self.engine)
+        self.sync = build_weight_sync(
+            cfg.rollout.sync, backend=self.backend, model_config=to_dict(self.mcfg), run_dir=run_dir
+        )
+        self.pipeline: RolloutPipeline | None = None
         self.detectors = build_detectors(cfg.feedback)
         self.logger = MetricsLogger(run_dir if rank == 0 else None, config=to_dict(cfg))
         self.start_step = self._resume()
@@ -905,15 +927,19 @@ class RLRun:
         return start
 
     def __enter__(self) -> RLRun:
-        from etude.env.pool import EnvPool
-
         cfg = self.cfg
         self.env_pool = self._stack.enter_context(
-            EnvPool(
-                cfg.env,
-                tokenizer=self.tok,
-                base_dir=self.task_path.parent,
-                max_workers=cfg.rollout.num_workers,
+            make_env_pool(cfg.rollout, cfg.env, tokenizer=self.tok, base_dir=self.task_path.parent)
+        )
+        # the rollout side starts from the policy's weights, at the run's version
+        self.sync.push(self.model, self.start_step)
+        self.pipeline = self._stack.enter_context(
+            RolloutPipeline(
+                self.draw_tasks,
+                self._collect,
+                max_staleness=cfg.rollout.max_staleness,
+                start_step=self.start_step,
+                end_step=cfg.train.steps,
             )
         )
         self._stack.enter_context(self.progress)
@@ -944,25 +970,39 @@ class RLRun:
             drawn = sample_tasks(self.tasks, num, seed=seed, step=step)
         return drawn[self.rank * self.local_groups : (self.rank + 1) * self.local_groups]
 
-    def rollout(self, step: int) -> StepBatch:
-        """Stage 1: G episodes of each drawn task with the current policy."""
+    def _collect(self, step: int, tasks: list[TaskRecord]) -> tuple[list[Trajectory], Any]:
+        """G episodes of each task of ``step`` (on a pipeline worker thread)."""
         from etude.rl.rollout import collect_rollouts
 
-        started = time.perf_counter()
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * _lr_factor(step, self.cfg.train)
-        trajectories, rstats = collect_rollouts(
-            self.engine,
+        return collect_rollouts(
+            self.backend,
             self.env_pool,
-            self.draw_tasks(step),
+            tasks,
             self.cfg.rollout,
             seed=self.cfg.train.seed,
             step=step,
             group_offset=self.rank * self.local_groups,
         )
-        return StepBatch(
+
+    def rollout(self, step: int) -> StepBatch:
+        """Stage 1: step ``step``'s batch from the pipeline (``etude.rl.pipeline``): G episodes
+        of each drawn task, generated at most ``rollout.max_staleness`` versions ago."""
+        started = time.perf_counter()
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * _lr_factor(step, self.cfg.train)
+        assert self.pipeline is not None, "use RLRun as a context manager"
+        taken = self.pipeline.next_batch(step)
+        trajectories, rstats = taken.result
+        check_staleness(trajectories, step, self.cfg.rollout.max_staleness)
+        batch = StepBatch(
             step=step, trajectories=trajectories, rollout_stats=rstats, started=started
         )
+        batch.extra.update(batch_metrics(taken, trajectories))
+        batch.extra["infra/episodes"] = float(sum(not _graded(t) for t in trajectories))
+        take = getattr(self.env_pool, "take_failures", None)
+        if take is not None:
+            batch.extra["infra/worker_deaths"] = float(take().worker_deaths)
+        return batch
 
     def score(self, batch: StepBatch) -> None:
         """Stage 2: the monitor zeroes hacked rewards, then pass/fail, the curriculum's
@@ -1000,6 +1040,7 @@ class RLRun:
             k
             for k in range(len(batch.trajectories))
             if not (cfg.rl.drop_zero_variance and batch.zero_var[k])
+            and _graded(batch.trajectories[k])
         }
 
     def teach(self, batch: StepBatch) -> None:
@@ -1027,11 +1068,14 @@ class RLRun:
             device=self.device,
             world_size=self.world_size,
         )
-        if batch.updated:
-            if self.engine_model is not self.model:
-                copy_full_weights(self.model, self.engine_model)
-            self.teacher.update(self.model)
         batch.train_seconds = time.perf_counter() - start
+        # new weights to the rollout side (versions count steps, updated or not)
+        record = self.sync.push(self.model, batch.step + 1)
+        batch.extra.update(record.metrics())
+        if self.cfg.rollout.server_url and self.engine_model is not self.model:
+            copy_full_weights(self.model, self.engine_model)  # the local teacher's weights
+        if batch.updated:
+            self.teacher.update(self.model)
 
     def log(self, batch: StepBatch) -> dict[str, float]:
         """Stage 6: the step's metrics (JSONL, console line), its trajectories file."""
@@ -1051,6 +1095,7 @@ class RLRun:
             num_minibatches=batch.num_minibatches,
         )
         metrics.update(batch.monitor_stats.metrics())
+        metrics.update(batch.extra)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["updated"] = float(batch.updated)
         if self.task_pool is not None:
@@ -1173,7 +1218,8 @@ def _step_metrics(
 ) -> dict[str, float]:
     """The step's metrics, summed over ranks (means are ratios of global sums)."""
     local: dict[str, float] = {
-        "episodes": len(trajectories),
+        # infrastructure failures have no reward: the means run over scored episodes
+        "episodes": sum(1 for t in trajectories if _graded(t)),
         "reward_sum": sum(float(t.reward or 0.0) for t in trajectories),
         "grade_infra": sum(not _graded(t) for t in trajectories),
         "passed": sum(passed),
