@@ -9,7 +9,12 @@ from etude.config import to_dict
 from etude.model.config import ModelConfig
 from etude.model.tokenizer import Tokenizer, default_corpus
 from etude.model.transformer import build_model
-from etude.parallel.checkpoint import export_hf, export_safetensors, save_checkpoint
+from etude.parallel.checkpoint import (
+    copy_tokenizer_files,
+    export_hf,
+    export_safetensors,
+    save_checkpoint,
+)
 from etude.serve.loading import load_served
 
 
@@ -52,6 +57,11 @@ def test_hugging_face_directory(run, tmp_path):
     served = load_served(tmp_path / "hf")
     assert served.tokenizer is None and served.stop_token_ids == ()
     torch.testing.assert_close(logits(served.model), logits(exported), atol=1e-5, rtol=0)
+    # a tokenizer.json with the ChatML markers: chat works
+    copy_tokenizer_files(root / "run" / "tokenizer", tmp_path / "hf")
+    with_chat = load_served(tmp_path / "hf")
+    assert with_chat.tokenizer is not None
+    assert with_chat.stop_token_ids == (with_chat.tokenizer.im_end_id,)
 
 
 def test_nothing_to_serve(tmp_path):

@@ -9,9 +9,11 @@ PATH may be:
 - a checkpoint step directory of a run (``RUN/checkpoints/step_N`` with ``extra.json``): the
   model shape from ``RUN/export/config.json``, the weights from the DCP checkpoint;
 - a Hugging Face checkpoint directory (``config.json`` with ``architectures``, safetensors
-  shards), converted by ``etude.parallel.checkpoint.load_hf_checkpoint``. Its ``tokenizer.json``
-  (if present) is used to decode text; chat needs etude's own tokenizer and template, so an
-  imported checkpoint serves ``/v1/completions`` with token ids only.
+  shards), converted by ``etude.parallel.checkpoint.load_hf_checkpoint``. A ``tokenizer.json``
+  with the ChatML and tool-call markers as single ids (Qwen's) is loaded by
+  ``etude.model.hf_tokenizer.load_hf_tokenizer`` and chat works as for etude's own models; any
+  other ``tokenizer.json`` only decodes text, and the model serves ``/v1/completions`` with
+  token ids (``etude model import`` writes a run directory, served as above).
 
 Not here: GGUF or other formats, quantized serving, downloading anything.
 """
@@ -36,7 +38,8 @@ class Served:
     model: Transformer
     name: str
     tokenizer: Tokenizer | None
-    """etude's tokenizer (chat template, tool calls); None for an imported checkpoint."""
+    """etude's tokenizer (chat template, tool calls); None when the checkpoint has none that
+    speaks ChatML."""
     decode: Callable[[list[int]], str] | None
     """Ids -> text for the ``text`` fields and stop strings (None: no tokenizer at all)."""
     stop_token_ids: tuple[int, ...]
@@ -97,10 +100,15 @@ def load_served(path: str | Path, *, device: str = "cpu", name: str = "") -> Ser
             model = Transformer(cfg)
         load_hf_checkpoint(model, source, device=device)
         if (source / "tokenizer.json").is_file():
-            import tokenizers
+            from etude.model.hf_tokenizer import load_hf_tokenizer
 
-            hf_tok = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
-            decode = lambda ids: hf_tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+            try:  # ChatML markers as single ids (Qwen-style): chat and tool calls work
+                tokenizer = load_hf_tokenizer(source)
+            except ValueError:  # another chat format: token ids in and out, text decoded only
+                import tokenizers
+
+                hf_tok = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
+                decode = lambda ids: hf_tok.decode(ids, skip_special_tokens=False)  # noqa: E731
     else:
         raise ValueError(
             f"{source}: no model found; pass a run directory (export/model.safetensors), an "
