@@ -14,10 +14,14 @@ A task is valid when, all in the sandbox:
    PASS_TO_PASS test; otherwise those rest on the restored tree being identical to the baseline
    tree, where they passed in every baseline run).
 
-Broken-tree runs execute the whole suite with ``--continue-on-collection-errors``: a deleted
-module makes its test files uncollectable, and their tests count as failing. Runs with explicit
-ids (stubs, gold) are used only where every id is collectable. Every run happens in a scratch
-copy; the shipped workspace is never executed in.
+Every test run goes through the grader the reward uses (``etude.sandbox.grade``), with the
+record's test environment and pytest arguments: the broken and stub trees are graded as they
+are, the gold tree as an agent's final tree is (only its changes to the package source, applied
+to a pristine copy of the broken workspace), so a valid task is one whose gold patch the reward
+itself scores 1.0. Broken-tree runs execute the whole suite with
+``--continue-on-collection-errors``: a deleted module makes its test files uncollectable, and
+their tests count as failing. Runs with explicit ids (stubs, gold) are used only where every id
+is collectable. Every run happens in a scratch copy; the shipped workspace is never executed in.
 
 ``check_record`` re-validates a finished record from the record alone (``etude tasks check``):
 the workspace's commit, F2P failing and P2P passing on it, the gold patch passing both, the stubs
@@ -39,7 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from etude.sandbox.pytest import TestRun, run_pytest
+from etude.sandbox.cleanroom import allowed_from_paths
+from etude.sandbox.grade import Outcome, grade
+from etude.sandbox.pytest import TestRun
 from etude.tasks.delete import (
     StubKind,
     apply_patch,
@@ -49,7 +55,7 @@ from etude.tasks.delete import (
     stub_definitions,
     write_source,
 )
-from etude.tasks.mine import canonical_outcomes, junit_address, probe_imports
+from etude.tasks.mine import junit_address, probe_imports
 from etude.tasks.record import TaskRecord, resolve_workspace, tree_digest
 from etude.tasks.sanitize import (
     LeakMaterial,
@@ -88,9 +94,9 @@ class RunLog:
     runs: int = 0
     seconds: float = 0.0
 
-    def add(self, run: TestRun | Any) -> None:
+    def add(self, run: Outcome | TestRun | Any) -> None:
         self.runs += 1
-        self.seconds += run.duration
+        self.seconds += run.seconds if isinstance(run, Outcome) else run.duration
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +112,11 @@ class Validation:
     stub_passing: list[str] = field(default_factory=list)
     """Candidate tests that fail on the broken tree but pass with a trivial body (dropped)."""
     log: RunLog = field(default_factory=RunLog)
+
+
+def graded_outcomes(outcome: Outcome, canonical: Mapping[tuple[str, str], str]) -> dict[str, str]:
+    """The grade's per-test outcomes keyed by the canonical ids of their JUnit addresses."""
+    return {canonical.get(junit_address(i), i): o for i, o in outcome.outcomes.items()}
 
 
 def _not_doctest(test_id: str, package_files: set[str]) -> bool:
@@ -177,11 +188,13 @@ def validate_task(
             ok=False, reason=f"package no longer imports: {', '.join(lost[:3])}", log=log
         )
 
-    run = run_pytest(sandbox, broken, [], timeout=timeout, extra_args=args, env=env)
+    run = grade(workspace, None, (), [], test_env, args, sandbox=sandbox, timeout=timeout)
     log.add(run)
     if run.timed_out:
         return Validation(ok=False, reason="broken-tree run timed out", log=log)
-    outcomes = canonical_outcomes(run, canonical)
+    if run.status == "infra":
+        return Validation(ok=False, reason=f"broken-tree run not graded: {run.reason}", log=log)
+    outcomes = graded_outcomes(run, canonical)
     failing = _failing(outcomes, passing)
     unexpected = sorted(failing - candidates)
     if unexpected:
@@ -203,11 +216,9 @@ def validate_task(
         ids = sorted(f2p - stub_passing)
         if not ids:
             break
-        stub_run = run_pytest(
-            sandbox, tree, ids, timeout=timeout, extra_args=args, env=absolute_env(test_env, tree)
-        )
+        stub_run = grade(tree, None, (), ids, test_env, args, sandbox=sandbox, timeout=timeout)
         log.add(stub_run)
-        stub_outcomes = canonical_outcomes(stub_run, canonical)
+        stub_outcomes = graded_outcomes(stub_run, canonical)
         stub_passing |= {t for t in ids if stub_outcomes.get(t) == "passed"}
         shutil.rmtree(tree, ignore_errors=True)
     f2p -= stub_passing
@@ -231,11 +242,14 @@ def validate_task(
     if dict(tree_files(gold)) != dict(tree_files(original_tree)):
         return Validation(ok=False, reason="gold-patched tree differs from the original", log=log)
     gold_ids = sorted(f2p | p2p) if gold_full_suite else sorted(f2p)
-    gold_run = run_pytest(
-        sandbox, gold, gold_ids, timeout=timeout, extra_args=args, env=absolute_env(test_env, gold)
+    # graded the way the reward grades an agent: the gold tree's package changes on a pristine
+    # copy of the broken workspace
+    allowed = allowed_from_paths(patch_paths(patch))
+    gold_run = grade(
+        workspace, gold, allowed, gold_ids, test_env, args, sandbox=sandbox, timeout=timeout
     )
     log.add(gold_run)
-    gold_outcomes = canonical_outcomes(gold_run, canonical)
+    gold_outcomes = graded_outcomes(gold_run, canonical)
     not_passing = sorted(_failing(gold_outcomes, gold_ids))
     if not_passing:
         return Validation(
@@ -364,11 +378,13 @@ def check_record(
                 if not clean:
                     problems.append("workspace has changes not in its commit")
 
-        broken = copy_tree(workspace, scratch / "broken")
-        env = absolute_env(test_env, broken)
-        run = run_pytest(sandbox, broken, [], timeout=timeout, extra_args=pytest_args, env=env)
+        run = grade(
+            workspace, None, (), [], test_env, pytest_args, sandbox=sandbox, timeout=timeout
+        )
         result.log.add(run)
-        outcomes = canonical_outcomes(
+        if run.status == "infra":
+            problems.append(f"the workspace could not be graded: {run.reason}")
+        outcomes = graded_outcomes(
             run, {junit_address(t): t for t in [*record.FAIL_TO_PASS, *record.PASS_TO_PASS]}
         )
         passing_f2p = [t for t in record.FAIL_TO_PASS if outcomes.get(t) == "passed"]
@@ -389,19 +405,23 @@ def check_record(
             problems.append(str(e))
             return result
         ids = [*record.FAIL_TO_PASS, *record.PASS_TO_PASS]
-        gold_run = run_pytest(
-            sandbox,
+        # exactly the reward's grading of an agent that wrote the gold patch
+        gold_run = grade(
+            workspace,
             gold,
+            allowed_from_paths(patch_paths(record.patch)),
             ids,
+            test_env,
+            list(extra.get("pytest_args", [])),
+            sandbox=sandbox,
             timeout=timeout,
-            extra_args=pytest_args,
-            env=absolute_env(test_env, gold),
         )
         result.log.add(gold_run)
-        not_passing = [t for t in ids if gold_run.outcome(t) != "passed"]
-        if not_passing:
+        if gold_run.status != "passed":
+            not_passing = gold_run.failed_ids or ids
             problems.append(
-                f"{len(not_passing)} tests fail with the gold patch, e.g. {not_passing[0]}"
+                f"the gold patch grades {gold_run.status} ({gold_run.reason}), "
+                f"{len(not_passing)} tests not passing, e.g. {not_passing[0]}"
             )
 
         definitions: dict[str, list[str]] = {}
@@ -422,13 +442,15 @@ def check_record(
             texts = stub_tree_files(sources, list(definitions.items()), files, kind)
             for path, text in texts.items():
                 write_source(tree / path, text)
-            stub_run = run_pytest(
-                sandbox,
+            stub_run = grade(
                 tree,
+                None,
+                (),
                 record.FAIL_TO_PASS,
+                test_env,
+                pytest_args,
+                sandbox=sandbox,
                 timeout=timeout,
-                extra_args=pytest_args,
-                env=absolute_env(test_env, tree),
             )
             result.log.add(stub_run)
             passed = [t for t in record.FAIL_TO_PASS if stub_run.outcome(t) == "passed"]
