@@ -8,8 +8,9 @@ Workload: the hand-written textkit tasks, copied, with one of the three made slo
 workspace gets a ``tests/conftest.py`` that sleeps ``--sleep`` seconds at the start of every
 test session (the reward run and each ``run_tests`` call), a stand-in for a task whose suite
 takes minutes. Two tasks per step (drawn uniformly from the three: the slow one is in two of
-three batches), two samples each, two-turn episodes, a tiny randomly initialized policy, the
-monitor on, no text feedback; the same tokenizer for every run. Everything else is the
+three batches), two samples each, two-turn episodes with compact tool declarations, a tiny
+randomly initialized policy, the monitor on, no text feedback; the same tokenizer for every
+run. Everything else is the
 trainer as ``etude train`` runs it (``etude.rl.trainer.run_train``).
 
 Measured per run, from RUN/metrics.jsonl: the loop's time (sum of ``step_seconds``, from the
@@ -75,6 +76,7 @@ def recipe(run_dir: Path, tasks: Path, *, staleness: int, seed: int, steps: int)
         [
             f"tasks.path='{tasks}'",
             "env.max_turns=2",
+            "env.tool_declarations='compact'",
             "env.max_tokens=4000",
             "rollout.tasks_per_step=2",
             "rollout.group_size=2",
@@ -114,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--sleep", type=float, default=6.0)
+    parser.add_argument("--sleep", type=float, default=10.0)
     args = parser.parse_args()
     stalenesses = (0, 1, 2)
     runs: dict[int, list[dict[str, float]]] = {k: [] for k in stalenesses}
