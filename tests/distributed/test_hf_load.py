@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS_2 = {"fsdp2": dict(dp_shard=2), "ep2": dict(dp_shard=2, ep=2)}
+LAYOUTS_2 = {"fsdp2_ep2": dict(dp_shard=2, ep=2)}  # dense weights FSDP 2, experts EP 2
 LAYOUTS_4 = {  # slow: four spawned processes on a 2-core machine take ~1 minute
     "fsdp4": dict(dp_shard=4),
     "ep2_efsdp2": dict(dp_shard=4, ep=2),

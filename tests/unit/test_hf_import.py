@@ -132,3 +132,113 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"has shape .* but layers\.0\.ffn\.w[123]\.weight needs"):
         etude_from(tmp_path / "hf")
+
+
+def published_config(**changes):
+    """A config.json in the layout the released DeepSeek-V3-architecture checkpoints use
+    (legacy ``rope_scaling``, remote-code keys, FP8 quantization_config), Kimi K2's values."""
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": 163584,
+        "eos_token_id": 163585,
+        "ep_size": 1,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 7168,
+        "initializer_range": 0.02,
+        "intermediate_size": 18432,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 131072,
+        "model_type": "kimi_k2",
+        "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 61,
+        "num_key_value_heads": 64,
+        "num_nextn_predict_layers": 0,
+        "pretraining_tp": 1,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 50000.0,
+        "routed_scaling_factor": 2.827,
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.48.3",
+        "use_cache": True,
+        "v_head_dim": 128,
+        "vocab_size": 163840,
+    }
+    return {**config, **changes}
+
+
+def test_published_layout_imports_to_the_presets():
+    from etude.config import to_dict
+    from etude.model.config import ModelConfig
+
+    ignore = {"init_std", "bias_update_rate"}  # training settings, not in config.json
+    for preset, changes in (
+        ("kimi-k2", {}),
+        (
+            "deepseek-v3",
+            dict(
+                model_type="deepseek_v3",
+                num_attention_heads=128,
+                num_key_value_heads=128,
+                n_routed_experts=256,
+                n_group=8,
+                topk_group=4,
+                first_k_dense_replace=3,
+                routed_scaling_factor=2.5,
+                vocab_size=129280,
+                max_position_embeddings=163840,
+                rope_theta=10000.0,
+                num_nextn_predict_layers=1,
+                rope_scaling={
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                    "factor": 40,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 4096,
+                    "type": "yarn",
+                },
+            ),
+        ),
+    ):
+        cfg, family = model_config_from_hf(published_config(**changes))
+        want = to_dict(ModelConfig.preset(preset))
+        got = to_dict(cfg)
+        assert family == "deepseek_v3"
+        assert {k: v for k, v in got.items() if k not in ignore} == {
+            k: v for k, v in want.items() if k not in ignore
+        }, preset
