@@ -12,8 +12,9 @@ definition's own name dropped, and its local names (arguments, assigned names, l
 comprehension variables, ``as`` targets, nested definitions) renamed ``_0, _1, ...`` in order of
 first appearance; global names, attribute names and constants stay. Two definitions match when
 their normalized dumps are equal (renamed locals and reformatting still match). A definition also
-matches when at least ``min_shared_statements`` of its statements, and at least
-``min_statement_share`` of them, occur in one other definition (statements normalized with every
+matches when at least ``min_shared_statements`` of its statements, holding at least
+``min_statement_share`` of its code (statements weighed by their own AST nodes, so shared
+boilerplate such as an argument check does not count for much), occur in one other definition (statements normalized with every
 local name replaced by ``_``): a copy with a line added or a branch reordered.
 
 Where the search looks (``find_copies`` over ``(path, text)`` pairs): Python files (``.py``,
@@ -76,7 +77,8 @@ class Definition:
     nodes: int
     """AST nodes of the normalized definition."""
     statements: frozenset[str]
-    """Digests of its statements with every local replaced by ``_`` (for partial copies)."""
+    """``digest:weight`` of its statements with every local replaced by ``_`` (for partial
+    copies; the weight is the statement's own AST nodes, nested statements not counted)."""
     anchors: tuple[str, ...] = ()
     """Names and strings a copy keeps (globals, attributes, string constants): a file that lacks
     most of them is not parsed (``scan_paths``)."""
@@ -201,8 +203,24 @@ def _statement_digests(node: ast.AST) -> frozenset[str]:
         if _count(stmt) < MIN_STATEMENT_NODES:
             continue
         normalized = _Normalizer(dict.fromkeys(local, "_")).visit(copy.deepcopy(stmt))
-        out.add(hashlib.sha1(ast.dump(normalized, annotate_fields=False).encode()).hexdigest())
+        digest = hashlib.sha1(ast.dump(normalized, annotate_fields=False).encode()).hexdigest()
+        out.add(f"{digest}:{_own_nodes(stmt)}")
     return frozenset(out)
+
+
+def _own_nodes(stmt: ast.stmt) -> int:
+    """AST nodes of a statement outside the statements nested in it (its own weight)."""
+    count = 0
+    todo: list[ast.AST] = [stmt]
+    while todo:
+        node = todo.pop()
+        count += 1
+        todo += [c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.stmt)]
+    return count
+
+
+def _weight(statements: Iterable[str]) -> int:
+    return sum(int(s.rsplit(":", 1)[1]) for s in statements)
 
 
 def _walk_defs(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.AST]]:
@@ -341,9 +359,11 @@ def match(
     if other.digest == deleted.digest:
         return "exact"
     if deleted.statements and other.statements:
-        shared = len(deleted.statements & other.statements)
-        if shared >= min_shared and shared >= min_share * len(deleted.statements):
-            return f"{shared} of {len(deleted.statements)} statements"
+        shared = deleted.statements & other.statements
+        # weighed by each statement's own nodes: shared boilerplate (an argument check, a
+        # try/except around a conversion) is not a copy of what the function is for
+        if len(shared) >= min_shared and _weight(shared) >= min_share * _weight(deleted.statements):
+            return f"{len(shared)} of {len(deleted.statements)} statements"
     return None
 
 
