@@ -16,7 +16,7 @@ from etude.tasks.quality import dedupe_by_fail_to_pass, difficulty_score
 from etude.tasks.record import EtudeInfo, TaskRecord, load_tasks
 
 MIXED = {
-    # a feature in two modules, reached only by tests/test_mixed.py
+    # a feature in two modules (one uses the other), reached only by tests/test_mixed.py
     "minipkg/stats.py": '''\
         """Statistics."""
 
@@ -33,11 +33,14 @@ MIXED = {
         """Reports."""
 
 
+        from minipkg.stats import spread
+
+
         def summary(values):
             """One line about ``values``."""
             count = len(values)
-            total = sum(values)
-            return f"{count} values, total {total}"
+            width = spread(values)
+            return f"{count} values over {width}"
         ''',
     "tests/test_mixed.py": """\
         from minipkg import report, stats
@@ -48,7 +51,7 @@ MIXED = {
 
 
         def test_summary():
-            assert report.summary([1, 5]) == "2 values, total 6"
+            assert report.summary([1, 5]) == "2 values over 4"
         """,
 }
 

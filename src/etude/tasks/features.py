@@ -7,8 +7,9 @@ and so does ``feature_groups``: for every test file with passing tests, the unit
 (functions, classes, methods, private helpers) whose body is executed by tests of that file and
 by no other passing test are the feature. Per module, the largest subset of them that passes the
 miner's static checks (``Miner.custom_feature``: nothing outside the set uses them, at import or
-run time; no other test file needs them to be collected) is kept, grown greedily; the modules'
-parts are then deleted together (``combine``), so a task can span files. A group needs at least
+run time; no other test file needs them to be collected) is kept, grown greedily, and knowing what the group deletes in the other modules (a unit of one module
+may use a unit of another: both go); the modules' parts are then deleted together
+(``combine``), so a task can span files. A group needs at least
 ``min_units`` units in all, otherwise it is a symbol feature the miner already offers.
 
 What this module does not do: group by anything but test files (a test class or a marker would
@@ -41,10 +42,15 @@ def _tests_by_file(passing: frozenset[str]) -> dict[str, frozenset[str]]:
 
 
 def _module_part(
-    miner: Miner, module: str, candidates: list[str], cfg: ProposalConfig
+    miner: Miner,
+    module: str,
+    candidates: list[str],
+    cfg: ProposalConfig,
+    also_deleted: dict[str, list[str]],
 ) -> Feature | None:
-    """The largest subset of ``candidates`` the miner accepts as one feature (greedy)."""
-    whole = miner.custom_feature(module, candidates, cfg)
+    """The largest subset of ``candidates`` the miner accepts as one feature (greedy), given
+    what the group deletes in other modules (``also_deleted``)."""
+    whole = miner.custom_feature(module, candidates, cfg, also_deleted=also_deleted)
     if isinstance(whole, Feature):
         return whole
     chosen: list[str] = []
@@ -54,14 +60,33 @@ def _module_part(
         for q in candidates:
             if q in chosen:
                 continue
-            trial = miner.custom_feature(module, [*chosen, q], cfg)
+            trial = miner.custom_feature(module, [*chosen, q], cfg, also_deleted=also_deleted)
             if isinstance(trial, Feature):
                 chosen.append(q)
                 changed = True
     if not chosen:
         return None
-    found = miner.custom_feature(module, chosen, cfg)
+    found = miner.custom_feature(module, chosen, cfg, also_deleted=also_deleted)
     return found if isinstance(found, Feature) else None
+
+
+def _group_parts(miner: Miner, reached: dict[str, list[str]], cfg: ProposalConfig) -> list[Feature]:
+    """Per module, the part of ``reached`` that can go, knowing what goes elsewhere; repeated
+    until the choice settles (a module's part shrinking can make another's impossible)."""
+    chosen = {m: list(q) for m, q in reached.items()}
+    parts: dict[str, Feature] = {}
+    for _ in range(3):
+        parts = {}
+        for module, candidates in sorted(reached.items()):
+            others = {m: q for m, q in chosen.items() if m != module and q}
+            part = _module_part(miner, module, candidates, cfg, others)
+            if part is not None:
+                parts[module] = part
+        settled = {m: list(parts[m].definitions[0][1]) if m in parts else [] for m in reached}
+        if settled == chosen:
+            break
+        chosen = settled
+    return [parts[m] for m in sorted(parts)]
 
 
 def feature_groups(
@@ -73,7 +98,7 @@ def feature_groups(
     skipped: dict[str, str] = {}
     by_file = _tests_by_file(miner.passing)
     for test_file, tests in sorted(by_file.items()):
-        parts: list[Feature] = []
+        by_module: dict[str, list[str]] = {}
         for module, mod in sorted(miner.index.items()):
             if module not in miner.baseline.importable:
                 continue
@@ -91,9 +116,8 @@ def feature_groups(
             classes = {q for q in reached if mod.units[q].kind == "class"}
             reached = [q for q in reached if q.split(".")[0] not in classes or q in classes]
             if reached:
-                part = _module_part(miner, module, reached, relaxed)
-                if part is not None:
-                    parts.append(part)
+                by_module[module] = reached
+        parts = _group_parts(miner, by_module, relaxed)
         units = sum(len(q) for p in parts for _, q in p.definitions)
         label = f"feature {test_file}"
         if units < min_units:

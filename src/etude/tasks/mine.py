@@ -31,7 +31,7 @@ from etude.tasks.baseline import (  # noqa: F401 (re-exported)
     probe_imports,
     run_baseline,
 )
-from etude.tasks.delete import DeletionError, unlink_imports
+from etude.tasks.delete import DeletionError, Removal, apply_removal, unlink_imports
 from etude.tasks.layout import Layout, detect_layout, is_test_path  # noqa: F401 (re-exported)
 from etude.tasks.symbols import (  # noqa: F401 (re-exported)
     ImportRef,
@@ -162,12 +162,39 @@ class Miner:
                 out |= lines.get(line, frozenset())
         return out & self.passing
 
-    def _external_users(self, mod: ModuleIndex, names: set[str]) -> list[str]:
-        """Other package modules that use ``names`` of ``mod`` beyond re-exporting them."""
+    def _without(self, other: ModuleIndex, qualnames: Iterable[str]) -> ModuleIndex:
+        """``other`` as it will read once ``qualnames`` (deleted in the same task) are gone."""
+        edit = apply_removal(
+            {other.path: other.source},
+            Removal(definitions=((other.path, tuple(qualnames)),), files=()),
+            {other.module: other.path},
+        )
+        text = edit.changed.get(other.path, other.source)
+        return index_module(
+            other.module, other.path, text, is_package=other.path.endswith("__init__.py")
+        )
+
+    def _external_users(
+        self,
+        mod: ModuleIndex,
+        names: set[str],
+        also_deleted: Mapping[str, Iterable[str]] | None = None,
+    ) -> list[str]:
+        """Other package modules that use ``names`` of ``mod`` beyond re-exporting them.
+
+        ``also_deleted``: module -> qualnames deleted in the same task; their uses do not count.
+        """
         users = []
-        for other in self.index.values():
-            if other.module == mod.module:
+        for original in self.index.values():
+            if original.module == mod.module:
                 continue
+            other = original
+            if also_deleted and also_deleted.get(original.module):
+                try:
+                    other = self._without(original, also_deleted[original.module])
+                except (DeletionError, SyntaxError, ValueError):
+                    users.append(original.module)
+                    continue
             imports_names = any(i.module == mod.module and i.name in names for i in other.imports)
             imports_module = any(
                 i.module == mod.module
@@ -458,12 +485,19 @@ class Miner:
         return out
 
     def custom_feature(
-        self, module: str, qualnames: Iterable[str], cfg: ProposalConfig
+        self,
+        module: str,
+        qualnames: Iterable[str],
+        cfg: ProposalConfig,
+        *,
+        also_deleted: Mapping[str, Iterable[str]] | None = None,
     ) -> Feature | str:
         """A feature made of exactly ``qualnames`` (e.g. proposed by a model), or why not.
 
         The same checks as ``symbol_feature`` apply, without growing the set: nothing outside it
-        may use its definitions, at import time or at run time.
+        may use its definitions, at import time or at run time. ``also_deleted`` (module ->
+        qualnames of other modules deleted in the same task): uses of the definitions by those
+        do not count.
         """
         mod = self.index.get(module)
         if mod is None:
@@ -493,7 +527,7 @@ class Miner:
                 outside = self._users(mod, q) - units
             if outside:
                 return f"{q} is used by {sorted(outside)[0]}"
-        external = self._external_users(mod, tops)
+        external = self._external_users(mod, tops, also_deleted)
         if external:
             return f"used by module {external[0]}"
         tests = self.tests_of(mod.path, mod, names)
