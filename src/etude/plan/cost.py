@@ -763,6 +763,29 @@ def _muon_step(
     }
 
 
+def train_flops_per_token(
+    cfg: ModelConfig, records: Sequence[ParamRecord], settings: PlanSettings
+) -> float:
+    """Forward + backward FLOPs per token (recompute included under full checkpointing)."""
+    total = sum(r.numel for r in records)
+    expert = sum(r.numel for r in records if r.is_expert)
+    embedding = sum(r.numel for r in records if r.meta.kind == "embedding")
+    active = total - expert
+    if cfg.num_experts:
+        active += expert // cfg.num_experts * cfg.num_experts_per_tok
+    full_ac = settings.activation_checkpointing == "full"
+    # 6 N per token for forward + backward (2 more with recompute), attention H (Kqk + Kv) T
+    # per token and layer forward (causal: half of the 2 H (Kqk + Kv) T of QK^T and AV; GQA
+    # has Kqk = Kv = Dh), times 3 or 4
+    per_token = (8 if full_ac else 6) * (active - embedding)
+    if cfg.attention == "mla":
+        qk_plus_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    else:
+        qk_plus_v = 2 * cfg.head_dim
+    heads_and_tokens = cfg.num_heads * qk_plus_v * settings.seq_len * cfg.num_layers
+    return per_token + (4 if full_ac else 3) * heads_and_tokens
+
+
 def estimate(
     cfg: ModelConfig,
     cluster: ClusterConfig,
@@ -795,23 +818,11 @@ def estimate(
     comm = _train_comm(cfg, records, layout, cluster, settings, num_micro)
     total = sum(r.numel for r in records)
     expert = sum(r.numel for r in records if r.is_expert)
-    embedding = sum(r.numel for r in records if r.meta.kind == "embedding")
     active = total - expert
     if cfg.num_experts:
         active += expert // cfg.num_experts * cfg.num_experts_per_tok
-    full_ac = settings.activation_checkpointing == "full"
     tokens_per_gpu = batch_tokens / layout.num_gpus
-    # 6 N per token for forward + backward (2 more with recompute), attention H (Kqk + Kv) T
-    # per token and layer forward (causal: half of the 2 H (Kqk + Kv) T of QK^T and AV; GQA
-    # has Kqk = Kv = Dh), times 3 or 4
-    per_token = (8 if full_ac else 6) * (active - embedding)
-    if cfg.attention == "mla":
-        qk_plus_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
-    else:
-        qk_plus_v = 2 * cfg.head_dim
-    per_token += (
-        (4 if full_ac else 3) * cfg.num_heads * qk_plus_v * settings.seq_len * cfg.num_layers
-    )
+    per_token = train_flops_per_token(cfg, records, settings)
     train_flops = tokens_per_gpu * per_token
     return {
         "mesh": layout.mesh,

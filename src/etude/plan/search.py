@@ -30,13 +30,13 @@ from typing import Any
 from etude.model.config import ModelConfig
 from etude.plan.cluster import ClusterConfig
 from etude.plan.cost import (
-    DTYPE_BYTES,
     PlanSettings,
     _memory,
     _train_comm,
     estimate,
     model_inventory,
     shard_param,
+    train_flops_per_token,
 )
 from etude.plan.layout import Layout
 
@@ -74,15 +74,8 @@ def _cheap_step(est: dict[str, Any]) -> float:
     return est["train"]["compute_s"] + est["train"]["comm_s_serial"] + est["muon"]["step_s_overlap"]
 
 
-def _cheap_estimate(cfg, cluster, layout, settings, records) -> dict[str, Any]:
-    """Memory, training time and a balanced-FLOPs Muon step (no block schedule)."""
-    shards = [shard_param(r, layout) for r in records]
-    memory = _memory(cfg, records, shards, layout, settings)
-    batch_tokens = settings.resolved_batch_tokens(layout)
-    num_micro = batch_tokens // (
-        settings.micro_batch_size * settings.seq_len * layout.data_parallel
-    )
-    comm = _train_comm(cfg, records, layout, cluster, settings, num_micro)
+def _ns_flops_split(records, settings) -> tuple[int, int]:
+    """Newton-Schulz FLOPs of one replica: (dense and attention blocks, routed experts)."""
     from etude.optim.muon import ns_flops
 
     dense = expert = 0
@@ -93,38 +86,31 @@ def _cheap_estimate(cfg, cluster, layout, settings, records) -> dict[str, Any]:
                 expert += f
             else:
                 dense += f
+    return dense, expert
+
+
+def _cheap_estimate(cfg, cluster, layout, settings, records, ns_split, per_token):
+    """Memory, training time and a balanced-FLOPs Muon step (no block schedule)."""
+    shards = [shard_param(r, layout) for r in records]
+    memory = _memory(cfg, records, shards, layout, settings)
+    batch_tokens = settings.resolved_batch_tokens(layout)
+    num_micro = batch_tokens // (
+        settings.micro_batch_size * settings.seq_len * layout.data_parallel
+    )
+    comm = _train_comm(cfg, records, layout, cluster, settings, num_micro)
+    dense, expert = ns_split
     ideal = dense / layout.dense_fsdp + expert / layout.expert_shard
     muon_s = ideal / (cluster.flops(settings.dtype) * cluster.matmul_efficiency)
-    active_train = _train_time(cfg, records, layout, cluster, settings, batch_tokens)
+    flops = batch_tokens / layout.num_gpus * per_token
+    compute_s = flops / (cluster.flops(settings.dtype) * cluster.model_flops_utilization)
     return {
         "memory": memory,
         "train": {
-            "compute_s": active_train,
+            "compute_s": compute_s,
             "comm_s_serial": sum(a["seconds"] for a in comm.values()),
         },
         "muon": {"step_s_overlap": muon_s},
     }
-
-
-def _train_time(cfg, records, layout, cluster, settings, batch_tokens) -> float:
-    """Forward + backward compute seconds per GPU (the formula of ``estimate``)."""
-    total = sum(r.numel for r in records)
-    expert = sum(r.numel for r in records if r.is_expert)
-    embedding = sum(r.numel for r in records if r.meta.kind == "embedding")
-    active = total - expert
-    if cfg.num_experts:
-        active += expert // cfg.num_experts * cfg.num_experts_per_tok
-    full_ac = settings.activation_checkpointing == "full"
-    if cfg.attention == "mla":
-        qk_plus_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
-    else:
-        qk_plus_v = 2 * cfg.head_dim
-    per_token = (8 if full_ac else 6) * (active - embedding)
-    per_token += (
-        (4 if full_ac else 3) * cfg.num_heads * qk_plus_v * settings.seq_len * cfg.num_layers
-    )
-    flops = batch_tokens / layout.num_gpus * per_token
-    return flops / (cluster.flops(settings.dtype) * cluster.model_flops_utilization)
 
 
 def search_layouts(
@@ -146,6 +132,8 @@ def search_layouts(
         tokens = num_gpus * settings.seq_len * settings.micro_batch_size
         settings = dataclasses.replace(settings, batch_tokens=tokens)
     records = model_inventory(cfg)
+    ns_split = _ns_flops_split(records, settings)
+    per_token = train_flops_per_token(cfg, records, settings)
     ruled_out: list[dict[str, Any]] = []
     feasible: list[tuple[float, Layout]] = []
     for degrees in candidate_layouts(cfg, num_gpus, settings.seq_len):
@@ -160,7 +148,7 @@ def search_layouts(
             ruled_out.append({"layout": shown, "reason": str(e), "kind": "layout"})
             continue
         try:
-            est = _cheap_estimate(cfg, cluster, layout, settings, records)
+            est = _cheap_estimate(cfg, cluster, layout, settings, records, ns_split, per_token)
         except ValueError as e:
             ruled_out.append({"layout": shown, "reason": str(e), "kind": "expert sharding"})
             continue
@@ -195,7 +183,6 @@ def search_layouts(
         "batch_tokens": settings.batch_tokens,
         "settings": dataclasses.asdict(settings),
         "cluster": dataclasses.asdict(cluster),
-        "bytes": DTYPE_BYTES,
     }
 
 
