@@ -20,6 +20,12 @@ Measured:
   ``*_error_halving_steps``: the first step at or below half the warm start's rate (the warm
   start's evaluation is step 0), the number of steps when it never halves; mean over seeds.
 
+- in the feedback arm (``rl.measure_shift``), per step with hinted turns: how far the update
+  moved the policy's logprobs on hinted-turn tokens vs all other generated tokens
+  (``feedback_shift_hinted_mean`` vs ``feedback_shift_other_mean``, mean |delta logp| per token),
+  and whether the hinted teacher disprefers the student's own tokens at the flagged turns
+  (``feedback_teacher_minus_student_mean`` < 0: teacher logp - student logp of those tokens).
+
 Flat keys in the JSON: ``sft_pass_at_1``, ``feedback_final_pass_at_1_min``,
 ``rl_final_pass_at_1_min`` (minimum over seeds), ``feedback_error_halving_steps``,
 ``rl_error_halving_steps``, per-seed values, and the goals with whether each was met.
@@ -93,6 +99,7 @@ def main() -> None:
             arm_dir = run / f"{arm}_seed{seed}"
             cfg = dataclasses.replace(
                 rl,
+                rl=dataclasses.replace(rl.rl, measure_shift=beta > 0),
                 teacher=dataclasses.replace(rl.teacher, beta=beta),
                 train=dataclasses.replace(
                     rl.train,
@@ -112,8 +119,13 @@ def main() -> None:
                     cfg, arm_dir, group, out=arm_dir / "eval_trajectories.jsonl", label=arm
                 )
                 write_json_atomic(eval_path, final)
-            rates = [targeted_rate(m) for m in read_metrics(arm_dir)]
+            rows = read_metrics(arm_dir)
+            rates = [targeted_rate(m) for m in rows]
             results[arm][seed] = {
+                "shift": {
+                    key: [float(m[key]) for m in rows if key in m]
+                    for key in ("shift/hinted", "shift/other", "teacher_minus_student")
+                },
                 "final": final,
                 "rates": rates,
                 "halving": halving_steps(sft_eval["targeted_error_rate"], rates),
@@ -157,6 +169,11 @@ def main() -> None:
             out[f"{arm}_seed{seed}_pass_at_1"] = r["final"]["pass_at_1"]
             out[f"{arm}_seed{seed}_error_halving_steps"] = r["halving"]
             out[f"{arm}_seed{seed}_final_targeted_error_rate"] = r["rates"][-1]
+    for key in ("shift/hinted", "shift/other", "teacher_minus_student"):
+        values = [v for r in results["feedback"].values() for v in r["shift"][key]]
+        name = "feedback_" + key.replace("/", "_")
+        out[name + "_mean"] = sum(values) / len(values) if values else float("nan")
+        out[name + "_steps_measured"] = len(values)
     out["goal_sft_pass_at_1_ge_0.15"] = sft_p >= 0.15
     out["goal_feedback_ge_sft_plus_0.15_every_seed"] = all(
         r["final"]["pass_at_1"] >= sft_p + 0.15 for r in results["feedback"].values()

@@ -70,3 +70,16 @@ def test_wilson_interval_and_verdict_say_worse_when_worse():
     assert "(better)" in verdict_line(ev(5), ev(30), 10, True)
     line = verdict_line(ev(10), ev(12), 10, False)
     assert "within the intervals" in line and "training tasks" in line and "54 eval" in line
+
+
+def test_monitor_reads_a_demo_run_directory(tmp_path):
+    # `etude monitor RUN_DIR` on the demo's layout: trajectories/step_N.jsonl + eval episodes
+    from etude.env.trajectory import Trajectory, write_jsonl
+    from etude.monitor.report import _trajectory_files
+
+    write_jsonl(tmp_path / "trajectories" / "step_000001.jsonl", [Trajectory(task_id="t")])
+    write_jsonl(tmp_path / "eval_trajectories.jsonl", [Trajectory(task_id="t")])
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text("")
+    names = [p.relative_to(tmp_path).as_posix() for p in _trajectory_files(tmp_path)]
+    assert names == ["eval_trajectories.jsonl", "trajectories/step_000001.jsonl"]

@@ -207,7 +207,14 @@ def _trajectory_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(path.rglob("trajectories*.jsonl"))
+        # trajectories*.jsonl, a trainer's trajectories/step_N.jsonl, a demo's eval episodes
+        files = sorted(
+            p
+            for p in path.rglob("*.jsonl")
+            if p.name.startswith("trajectories")
+            or p.parent.name == "trajectories"
+            or p.name == "eval_trajectories.jsonl"
+        )
         if files:
             return files
         raise ValueError(
