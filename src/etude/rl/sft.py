@@ -285,6 +285,8 @@ def oracle_examples(
 
 def collect_oracle_trajectories(cfg: SFTRecipe, tok: Tokenizer) -> list[Trajectory]:
     """``episodes_per_task`` oracle episodes per task, with injected mistakes."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
     from etude.env.oracle import OracleAgent
     from etude.env.pool import EnvPool
     from etude.tasks.record import load_tasks
@@ -292,7 +294,19 @@ def collect_oracle_trajectories(cfg: SFTRecipe, tok: Tokenizer) -> list[Trajecto
     path = Path(cfg.data.tasks)
     tasks = load_tasks(path)
     out = []
-    with EnvPool(cfg.env, tokenizer=tok, base_dir=path.parent, max_workers=4) as pool:
+    progress = Progress(
+        TextColumn("oracle episodes"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeRemainingColumn(),
+        disable=not cfg.train.progress,
+        transient=True,
+    )
+    with (
+        EnvPool(cfg.env, tokenizer=tok, base_dir=path.parent, max_workers=4) as pool,
+        progress,
+    ):
+        bar = progress.add_task("oracle", total=cfg.data.episodes_per_task * len(tasks))
         for seed in range(cfg.data.episodes_per_task):
 
             def agent(task, seed=seed):
@@ -305,6 +319,7 @@ def collect_oracle_trajectories(cfg: SFTRecipe, tok: Tokenizer) -> list[Trajecto
                 )
 
             out.extend(pool.run_episodes(tasks, agent))
+            progress.update(bar, advance=len(tasks))
     return out
 
 
