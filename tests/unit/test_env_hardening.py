@@ -5,7 +5,9 @@ leftovers of killed runs, and episode directory names that would tell the task."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,8 +18,9 @@ from etude.env.coding import CodingEnv, EnvConfig, remove_stale_dirs
 from etude.env.pool import EnvPool
 from etude.env.tools import Toolbox
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer, default_corpus
-from etude.sandbox import SandboxConfig, make_sandbox
+from etude.sandbox import SandboxConfig, grade, make_sandbox
 from etude.sandbox.bwrap import bwrap_unavailable_reason
+from etude.sandbox.masking import find_package_copies
 from etude.tasks.record import load_tasks
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "handwritten"
@@ -151,3 +154,34 @@ def test_stale_directories_of_killed_runs_are_removed(tok: Tokenizer, tmp_path: 
         for word in ("slugify", "case", "textkit"):
             assert word not in name
     assert remove_stale_dirs(tmp_path) == []
+
+
+@needs_bwrap
+def test_copies_of_the_package_in_the_sandbox_view_are_found_and_masked(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))
+    import grading_corpus as corpus
+
+    pristine, record = corpus.make_task(tmp_path / "task")
+    vendor = tmp_path / "vendor" / "third_party"
+    corpus.write_files(vendor, {"calc/__init__.py": "", "calc/ops.py": corpus.OPS_GOLD})
+    view = (str(tmp_path / "vendor"),)
+    found = find_package_copies(pristine, ["calc/"], roots=view)
+    assert found == [str(vendor / "calc")]
+    # an agent's solution that imports the vendored copy: it passes only while the copy shows
+    agent = tmp_path / "agent"
+    shutil.copytree(pristine, agent)
+    (agent / "calc" / "ops.py").write_text(
+        corpus.OPS_BROKEN + f"\nimport sys\nsys.path.insert(0, {str(vendor)!r})\n"
+        "from importlib import util as _u\n"
+        f"_s = _u.spec_from_file_location('v', {str(vendor / 'calc' / 'ops.py')!r})\n"
+        "_m = _u.module_from_spec(_s)\n_s.loader.exec_module(_m)\nmul = _m.mul\n"
+    )
+    ids = [*corpus.FAIL_TO_PASS, *corpus.PASS_TO_PASS]
+    shown = SandboxConfig(backend="bwrap", extra_ro_paths=view)
+    assert grade(pristine, agent, ["calc/"], ids, sandbox=shown).status == "passed"
+    masked = SandboxConfig(backend="bwrap", extra_ro_paths=view, masked_paths=tuple(found))
+    outcome = grade(pristine, agent, ["calc/"], ids, sandbox=masked)
+    assert outcome.status in ("failed", "error")
+    box = make_sandbox("bwrap", masked)
+    seen = box.run(f"cat {vendor}/calc/ops.py; ls {vendor}/calc", str(agent))
+    assert "def mul" not in seen.stdout and seen.stdout.strip() == ""

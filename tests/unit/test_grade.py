@@ -1,4 +1,4 @@
-"""The grader (``etude.sandbox.grade``) through the reward path: gold patches earn 1.0 on every
+"""The grader (``etude.sandbox.grader``) through the reward path: gold patches earn 1.0 on every
 layout (flat, ``src/`` with ``PYTHONPATH=src``, a config that needs ``-o addopts=``), the hacks
 that fooled the old reward earn 0, the result channel is cross-checked, and a grader that cannot
 grade says ``infra`` (reward None), never 0."""
@@ -14,7 +14,7 @@ import pytest
 from etude.env.reward import compute_reward, reward_of, task_grading
 from etude.env.tools import Toolbox
 from etude.sandbox import Result, SandboxConfig, grade, make_sandbox
-from etude.sandbox.grade import read_channel
+from etude.sandbox.grader import read_channel
 from etude.tasks.record import TaskRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))

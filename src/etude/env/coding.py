@@ -19,7 +19,7 @@
   before ``<|im_end|>``, runs no tools); or after ``wall_clock_s`` seconds from ``reset`` (no
   further tool call starts, and each call's timeout is capped by the time left). The last
   turn's observations may take the conversation past ``max_tokens``; they are never trained on.
-- ``finish()`` grades the final workspace (``etude.env.reward`` through ``etude.sandbox.grade``:
+- ``finish()`` grades the final workspace (``etude.env.reward`` through ``etude.sandbox.grader``:
   the agent's changes to package source on a pristine copy, a fresh sandbox) whatever ended the
   episode, records the grade (status, reason) in ``info['grade']`` (reward None when the grader
   could not grade: an ``infra`` outcome is not a score), and returns the `Trajectory`: every message as a `Turn` with its
@@ -64,6 +64,7 @@ from etude.env.trajectory import ToolCall, ToolError, Trajectory
 from etude.model.chat import Conversation, Span, encode_header
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
 from etude.sandbox import SandboxConfig, make_sandbox
+from etude.sandbox.masking import find_package_copies, visible_roots
 from etude.tasks.layout import detect_layout
 from etude.tasks.record import TaskRecord, is_archive, resolve_workspace
 
@@ -101,6 +102,9 @@ class EnvConfig:
     """Directory for episode and scoring directories (empty: the system temp directory)."""
     tools: ToolConfig = field(default_factory=ToolConfig)
     """Output caps and timeouts of the tools."""
+    mask_package_copies: bool = True
+    """Search what the sandbox shows for copies of the task's package and mask them, when the
+    record does not list them (``etude.masked_paths``); the search runs once per process."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Backend and limits of every command; the task's hidden paths are added per episode."""
 
@@ -264,6 +268,7 @@ class CodingEnv:
         self._header_len = len(encode_header(tokenizer, "assistant"))
         self._episode_dir: Path | None = None
         self._original: Path | None = None
+        self._masked: tuple[str, ...] = ()
         self._toolbox: Toolbox | None = None
         self._repo: dict[str, Any] = {}
         self._conversation: Conversation | None = None
@@ -349,11 +354,14 @@ class CodingEnv:
             # checks go by name, and a rename would carry it out from under them); the grader
             # takes it from the pristine tree
             strip_hidden(episode_dir / "workspace", hidden)
-            sandbox_cfg = dataclasses.replace(self.cfg.sandbox, hidden_paths=hidden)
             spec = task_grading(self.task, self._original)
+            sandbox = make_sandbox(None, dataclasses.replace(self.cfg.sandbox, hidden_paths=hidden))
+            self._masked = self._package_copies(sandbox, spec.allowed)
+            if self._masked:
+                sandbox = make_sandbox(sandbox.name, replace_masks(sandbox.config, self._masked))  # type: ignore[arg-type]
             self._toolbox = Toolbox(
                 episode_dir / "workspace",
-                sandbox=make_sandbox(None, sandbox_cfg),
+                sandbox=sandbox,
                 cfg=self.cfg.tools,
                 test_ids=spec.test_ids,
                 hidden_paths=hidden,
@@ -368,6 +376,19 @@ class CodingEnv:
             self.close()
             raise
         return self.conversation
+
+    def _package_copies(self, sandbox: Any, allowed: Sequence[str]) -> tuple[str, ...]:
+        """Host paths holding a copy of the task's package that the sandbox would show: the
+        record's ``etude.masked_paths`` (found when the task was built), else a search
+        (``etude.sandbox.masking``, once per process) when ``env.mask_package_copies``."""
+        assert self.task.etude is not None and self._original is not None
+        recorded = self.task.etude.extra.get("masked_paths")
+        if recorded is not None:
+            return tuple(str(p) for p in recorded)
+        if not self.cfg.mask_package_copies or sandbox.name != "bwrap":
+            return ()
+        roots = visible_roots(self.cfg.sandbox.extra_ro_paths)
+        return tuple(find_package_copies(self._original, allowed, roots))
 
     def _start_conversation(self) -> None:
         conversation = Conversation(self.tokenizer)
@@ -506,7 +527,7 @@ class CodingEnv:
                 self.task,
                 self.workspace,
                 original=self._original,
-                sandbox=self.cfg.sandbox,
+                sandbox=replace_masks(self.cfg.sandbox, self._masked),
                 timeout=self.cfg.reward_timeout_s,
                 work_dir=self.cfg.work_dir or None,
             )
@@ -528,6 +549,7 @@ class CodingEnv:
             collection_error=result.collection_error,
             reward_timed_out=result.timed_out,
             grade=dict(result.grade),
+            masked_paths=list(self._masked),
         )
         if result.status == "infra":  # masked by the trainer (``etude.env.ray_pool`` agrees)
             trajectory.info["infra"] = result.reason or "the grader could not grade"
@@ -581,6 +603,11 @@ def repo_facts(task: TaskRecord, workspace: Path) -> dict[str, Any]:
         "test_files": list(layout.test_files),
         "test_sources": sources,
     }
+
+
+def replace_masks(cfg: SandboxConfig, masked: Sequence[str]) -> SandboxConfig:
+    """``cfg`` with ``masked`` added to its masked host paths."""
+    return dataclasses.replace(cfg, masked_paths=tuple(dict.fromkeys([*cfg.masked_paths, *masked])))
 
 
 def strip_hidden(workspace: Path, hidden: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""The test-based reward: the task's tests, graded by ``etude.sandbox.grade`` on a clean room.
+"""The test-based reward: the task's tests, graded by ``etude.sandbox.grader`` on a clean room.
 
 ``compute_reward(task, workspace)`` scores a workspace the way an episode's end is scored:
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from etude.sandbox import SandboxConfig, grade
 from etude.sandbox.cleanroom import allowed_from_paths, allowed_from_tree
-from etude.sandbox.grade import Outcome
+from etude.sandbox.grader import Outcome
 from etude.tasks.delete import patch_paths
 from etude.tasks.record import TaskRecord, resolve_workspace
 
@@ -64,7 +64,7 @@ class RewardResult:
 
 @dataclass(kw_only=True, slots=True)
 class TaskGrading:
-    """What a task record says about grading it (the arguments of ``etude.sandbox.grade``)."""
+    """What a task record says about grading it (the arguments of ``etude.sandbox.grader``)."""
 
     allowed: list[str]
     test_ids: list[str]

@@ -20,7 +20,7 @@ The tools (`TOOL_SCHEMAS`):
   in the text files under ``path``; ``PATH:LINE: text`` results, capped. Matching runs inside the
   sandbox with a time limit, because a hostile pattern can backtrack for hours;
 - ``run_tests(tests=None)``: the given node ids (default: the task's tests) graded exactly as the
-  reward grades them (``etude.sandbox.grade``: the workspace's changes to the package source on
+  reward grades them (``etude.sandbox.grader``: the workspace's changes to the package source on
   a pristine copy, with the task's test environment and pytest arguments, hidden paths left
   out); a summary line, the ids that did not pass, the output's tail;
 - ``bash(command)``: ``bash -c command`` in the sandbox; exit code, stdout, stderr;
@@ -58,7 +58,7 @@ from typing import Any
 from etude.env.trajectory import ToolError
 from etude.sandbox import Sandbox, grade
 from etude.sandbox.cleanroom import read_regular
-from etude.sandbox.grade import grading_sandbox
+from etude.sandbox.grader import grading_sandbox
 
 
 def _function(
@@ -492,7 +492,7 @@ class Toolbox:
     whole suite). ``hidden_paths`` are workspace-relative paths the agent may not see; the
     sandbox should mask the same paths (``SandboxConfig.hidden_paths``). ``pristine``,
     ``allowed``, ``test_env`` and ``pytest_args`` are the task's grading arguments
-    (``etude.sandbox.grade``); without ``pristine`` run_tests grades the workspace as it is.
+    (``etude.sandbox.grader``); without ``pristine`` run_tests grades the workspace as it is.
     """
 
     def __init__(

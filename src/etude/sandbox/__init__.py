@@ -4,7 +4,7 @@
 code (an agent's shell command, a task's test suite) with the workspace ``cwd`` as the only
 writable place; ``run_pytest`` runs test ids in it and parses per-test outcomes; ``grade`` is the
 one grader (clean room, isolated interpreter, a result channel, cross-checks) behind every
-reward and task check (``etude.sandbox.grade``).
+reward and task check (``etude.sandbox.grader``).
 
 What IS contained, per backend:
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from etude.sandbox.base import Backend, Result, Sandbox, SandboxConfig
 from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
-from etude.sandbox.grade import Outcome, Status, grade
+from etude.sandbox.grader import Outcome, Status, grade
 from etude.sandbox.local import LocalSandbox
 from etude.sandbox.pytest import TestOutcome, TestRun, run_pytest
 

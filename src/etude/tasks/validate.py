@@ -14,7 +14,7 @@ A task is valid when, all in the sandbox:
    PASS_TO_PASS test; otherwise those rest on the restored tree being identical to the baseline
    tree, where they passed in every baseline run).
 
-Every test run goes through the grader the reward uses (``etude.sandbox.grade``), with the
+Every test run goes through the grader the reward uses (``etude.sandbox.grader``), with the
 record's test environment and pytest arguments: the broken and stub trees are graded as they
 are, the gold tree as an agent's final tree is (only its changes to the package source, applied
 to a pristine copy of the broken workspace), so a valid task is one whose gold patch the reward
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from etude.sandbox.cleanroom import allowed_from_paths
-from etude.sandbox.grade import Outcome, grade
+from etude.sandbox.grader import Outcome, grade
 from etude.sandbox.pytest import TestRun
 from etude.tasks.delete import (
     StubKind,

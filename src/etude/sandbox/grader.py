@@ -88,9 +88,12 @@ def _grade_main():
             data = data[_write(_chan, data):]
     _emit({"e": "boot"})
     import tempfile
-    sys.pycache_prefix = os.path.join(tempfile.gettempdir(), "etude-pyc-" + cfg["nonce"])
     sys.dont_write_bytecode = True
     import pluggy, pytest, _pytest.main, _pytest.python, _pytest.reports, _pytest.runner
+    # from here on bytecode is looked up in an empty private directory only: no __pycache__ of
+    # the tree is read, by the import system or by pytest's assertion rewriter (pytest and
+    # the standard library modules above were loaded from their own caches)
+    sys.pycache_prefix = os.path.join(tempfile.gettempdir(), "etude-pyc-" + cfg["nonce"])
     _WATCHED = {
         "runner.call_and_report": (_pytest.runner, "call_and_report"),
         "runner.runtestprotocol": (_pytest.runner, "runtestprotocol"),
