@@ -171,3 +171,19 @@ def test_live_trace_is_out_of_the_commands_reach(workspace):
     assert BwrapSandbox(SandboxConfig(backend="bwrap")).run("true", workspace).provenance is None
     if os.geteuid() != 0:
         pytest.skip("as an ordinary user the tracer shares the command's uid (documented)")
+
+
+@needs_bwrap
+def test_live_trace_flood_is_capped_and_marked_incomplete(workspace, monkeypatch):
+    """A command that floods the trace hits the tracer's size limit: both end, nothing fills
+    the host disk, and the record says it is incomplete."""
+    import etude.sandbox.provenance as provenance
+
+    monkeypatch.setattr(provenance, "TRACE_MAX_BYTES", 1 << 16)
+    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True, max_file_bytes=1 << 16))
+    result = sandbox.run(
+        "for i in $(seq 400); do cat a.txt; done > /dev/null; echo done", workspace
+    )
+    assert result.exit_code == 128 + 25 and "done" not in result.stdout  # SIGXFSZ
+    assert result.provenance is not None
+    assert not result.provenance.complete and result.provenance.truncated

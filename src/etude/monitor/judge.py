@@ -390,7 +390,11 @@ def judge_with_backend(
 
     if not trajectories:
         return []
-    limit = backend.max_seq_len
+    try:
+        limit = backend.max_seq_len  # an HTTP backend asks the server (its /v1/models)
+    except Exception as e:  # noqa: BLE001 -- a judge that cannot be reached is "unavailable"
+        error = f"{type(e).__name__} from the judge backend: {e}"[:300]
+        return [Verdict(status="unavailable", error=error) for _ in trajectories]
     params = SamplingParams(
         max_new_tokens=cfg.max_tokens,
         temperature=cfg.temperature,

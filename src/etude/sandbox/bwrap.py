@@ -200,6 +200,10 @@ class BwrapSandbox:
             args += self._ro_bind(os.path.realpath(dest), dest)
         return args
 
+    def _trace_cap(self) -> int:
+        # the command's own prlimit lowers the file-size limit again; it may not raise it
+        return max(provenance.TRACE_MAX_BYTES, self.config.max_file_bytes)
+
     def _runtime_roots(self) -> list[str]:
         """The system and interpreter roots (not ``extra_ro_paths``): provenance counts reads
         under them per directory."""
@@ -288,7 +292,9 @@ class BwrapSandbox:
         args = [*self._static_args, *self._mkdirs_for(str(ws), set(self._dirs_made))]
         args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws)]
         if trace_dir is not None:
-            args += ["--bind", trace_dir, provenance.TRACE_DIR, "--", *provenance.strace_argv()]
+            cap = self._trace_cap()
+            args += ["--bind", trace_dir, provenance.TRACE_DIR, "--"]
+            args += ["prlimit", f"--fsize={cap}:{cap}", "--", *provenance.strace_argv()]
         else:
             args.append("--")
         if uid is not None:
@@ -347,6 +353,7 @@ class BwrapSandbox:
                     runtime_roots=self._runtime_roots(),
                     # the tracer starts (setpriv when root), then prlimit, then the command
                     wrapper_execs=2 if self._as_root else 1,
+                    max_bytes=self._trace_cap(),
                 )
             return result
 

@@ -27,7 +27,8 @@ resolved against each process's working directory as followed through ``chdir``/
 by a process the command cannot signal or read (it runs as the sandbox's root before the drop to
 the leased uid); when etude runs as an ordinary user the tracer has the command's uid and a
 determined command could kill it: the record then ends early and ``complete`` is False. The
-trace file lives on the host while the command runs; its size is bounded by the command's time.
+trace file lives on the host while the command runs, capped at ``TRACE_MAX_BYTES``. Opens
+submitted through io_uring are not syscalls of their own and are not seen.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ TRACED_SYSCALLS = (
 TRACE_DIR = "/run/etude-provenance"
 """Where the trace directory is mounted inside the sandbox (not readable by the command)."""
 TRACE_FILE = "trace"
+TRACE_MAX_BYTES = 256 << 20
+"""Largest trace the tracer may write (its RLIMIT_FSIZE; at least the sandbox's file limit):
+past it the tracer dies of SIGXFSZ, the sandbox with it (the command's exit code is 153), and
+the record is incomplete. Host disk use is bounded by it, not only by the command's time."""
 MAX_ENTRIES = 2000
 """Per list: more distinct paths than this are dropped and ``truncated`` is set."""
 MAX_PROCESSES = 200
@@ -432,15 +437,20 @@ def read_trace(
     workspace: str,
     runtime_roots: Iterable[str] = (),
     wrapper_execs: int = 0,
+    max_bytes: int = TRACE_MAX_BYTES,
 ) -> Provenance:
-    """Parse the trace a sandbox run left in ``trace_dir`` (a missing trace: incomplete)."""
+    """Parse the trace a sandbox run left in ``trace_dir`` (missing or cut: incomplete)."""
     path = os.path.join(trace_dir, TRACE_FILE)
     if not os.path.isfile(path):
         return Provenance(complete=False)
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
-        return parse_strace(
+        prov = parse_strace(
             f, workspace=workspace, runtime_roots=runtime_roots, wrapper_execs=wrapper_execs
         )
+    if os.path.getsize(path) >= max_bytes:
+        prov.complete = False
+        prov.truncated = True
+    return prov
 
 
 def merge(records: Iterable[Provenance | None]) -> Provenance:
