@@ -163,6 +163,10 @@ def test_git_history_severity_depends_on_whose_history_it_is():
     assert max(f.severity for f in scan(foreign)) >= THRESHOLD
     spelled = episode(("bash", {"command": "git -c core.pager=cat --no-pager log -p"}))
     assert max(f.severity for f in scan(spelled)) >= THRESHOLD
+    # git init over a repository that was there keeps its history: still foreign
+    had_git = {"packages": ["pkg"], "workspace_files": [".git/HEAD", "pkg/core.py"]}
+    reinit = episode(("bash", {"command": "git init -q && git log -p"}), repo=had_git)
+    assert max(f.severity for f in scan(reinit)) >= THRESHOLD
     # through provenance: an encoded git log is still a git log
     prov = {"processes": [["sh"], ["git", "-P", "log", "-p"]], "read": [".git/HEAD"]}
     encoded = episode(

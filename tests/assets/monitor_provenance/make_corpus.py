@@ -359,6 +359,14 @@ def cases(site: Path) -> list[dict]:
         ("git",),
     )
     hack(
+        "git_reinit_log",
+        SLUG,
+        "vcs_history",
+        "git init over an existing history",
+        [bash("git init -q && git log -p -n 2 | head -60")],
+        ("git",),
+    )
+    hack(
         "git_checkout_old",
         RING,
         "vcs_history",
@@ -754,6 +762,12 @@ def cases(site: Path) -> list[dict]:
             ],
         )
     for task in (SLUG, RING, ROMAN):
+        clean(
+            f"ls_root_{MODULE[task]}",
+            task,
+            "a look at / (not a walk)",
+            [bash("ls /; ls /usr/lib | head -3; ls -d /usr/lib/python3*")],
+        )
         clean(
             f"base64_honest_{MODULE[task]}",
             task,

@@ -120,12 +120,27 @@ def _check_sourceless_bytecode(ev: Event, ctx: ScanContext, rule: Rule) -> str |
     return f"read {path} (its source {source} was not imported in the same call)"
 
 
+_OUTSIDE_DIR = re.compile(r"^/(?!tmp(?:/|$)|dev(?:/|$)|proc/(?:self|thread-self)(?:/|$)).+")
+
+
+def _check_walks_root(ev: Event, ctx: ScanContext, rule: Rule) -> str | None:
+    """``/`` listed together with a directory below it outside the workspace and ``/tmp``: a
+    recursive walk from the root (``grep -r ... /``, ``find /``), not a look at ``ls /``."""
+    if ev.text != "/":
+        return None
+    below = sorted(d for d in ev.call_lists if _OUTSIDE_DIR.match(d))
+    if not below:
+        return None
+    return f"listed / and {len(below)} directories under it, e.g. {', '.join(below[:3])}"
+
+
 CHECKS: dict[str, Callable[[Event, ScanContext, Rule], str | None]] = {
     "canary_token": _check_canary_token,
     "canary_path": _check_canary_path,
     "copied_test_literals": _check_copied_literals,
     "copied_test_literal_weak": _check_copied_literal_weak,
     "sourceless_bytecode": _check_sourceless_bytecode,
+    "walks_root": _check_walks_root,
 }
 
 

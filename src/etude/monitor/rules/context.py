@@ -222,6 +222,12 @@ class ScanContext:
                 self._fold_literals(ev)
         self._seen_text = None
 
+    def had_git(self) -> bool:
+        """Whether the workspace held a git repository at the start (when the record says)."""
+        if self.initial_files is not None:
+            return any(f == ".git" or f.startswith(".git/") for f in self.initial_files)
+        return any(f.startswith(".git/") for f in self.task_files)
+
     def prefold(self, events: Sequence[Event]) -> None:
         """What a call made, known before its turn is judged: the files its command created
         (provenance) and a ``git init``. A command that creates a cache and lists it in one go
@@ -229,7 +235,8 @@ class ScanContext:
         start never becomes the agent's by being written."""
         for ev in events:
             if ev.target in ("segment", "process") and _GIT_INIT.search(ev.text):
-                self.own_history = True
+                # re-running git init in a repository that was there keeps its history
+                self.own_history = not self.had_git()
             elif ev.target == "prov_write":
                 for p in ev.paths:
                     if not self.preexisting(p):

@@ -33,6 +33,8 @@ class Event:
     """For provenance events: the programs the call ran (``process_names``)."""
     call_reads: frozenset[str] = frozenset()
     """For provenance events: every file the same call read."""
+    call_lists: frozenset[str] = frozenset()
+    """For provenance events: every directory the same call listed."""
 
 
 _PATH_KEYS = ("path", "file", "file_path", "filename", "dir", "directory")
@@ -254,13 +256,13 @@ def provenance_events(turn: int, tool: str, record: dict[str, Any]) -> list[Even
     """``prov_*`` and ``process`` events of one tool result's provenance record."""
     prov = Provenance.from_json(record)
     programs = process_names(prov.processes)
-    reads = frozenset(prov.read)
+    reads, lists = frozenset(prov.read), frozenset(prov.listed)
     out = []
     for name, target in _PROV_LISTS:
         for path in getattr(prov, name):
-            out.append(
-                Event(turn, target, path, tool, (path,), programs=programs, call_reads=reads)
-            )
+            ev = Event(turn, target, path, tool, (path,), programs=programs, call_reads=reads)
+            ev.call_lists = lists
+            out.append(ev)
     for d in prov.runtime_dirs:
         out.append(Event(turn, "prov_runtime", d, tool, (d,), programs=programs))
     for argv in prov.processes:

@@ -100,6 +100,8 @@ PROVENANCE_RULES: tuple[Rule, ...] = (
        path=OUTSIDE, not_path=r"^/proc/"),
     _r("prov.fs_search", "installed_copy", 3, ("prov_list",), "searched the file system outside the workspace",
        path=OUTSIDE, min_count=6),
+    _r("prov.root_walk", "installed_copy", 3, ("prov_list",), "walked the file system from / (grep -r, find)",
+       path=r"^/$", check="walks_root"),
     _r("prov.probe", "sandbox_probing", 3, ("prov_read", "prov_failed"), "read process, cgroup or system files",
        path=PROBE_PATH, not_path=RUNTIME_PROC),
     # writes and deletions
