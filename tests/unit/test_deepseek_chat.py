@@ -17,6 +17,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from test_kimi_chat import MESSAGES, TOOLS, marker_backend  # noqa: E402
+
 from etude.model import deepseek_chat as ds  # noqa: E402
 from etude.model.deepseek_chat import (  # noqa: E402
     DEEPSEEK_MARKERS,
@@ -27,7 +29,6 @@ from etude.model.deepseek_chat import (  # noqa: E402
     parse_deepseek_tool_calls,
 )
 from etude.model.family_chat import FamilyCall, MalformedCall, MarkerTokenizer  # noqa: E402
-from test_kimi_chat import MESSAGES, TOOLS, marker_backend  # noqa: E402
 
 ALIASES = {
     "<|EOS|>": ds.EOS,

@@ -45,7 +45,6 @@ from typing import Any
 from etude.model.family_chat import (
     AppendOnlyChat,
     ChatTokenizer,
-    FamilyCall,
     MalformedCall,
     ParsedCall,
     arguments_text,
