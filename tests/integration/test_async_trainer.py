@@ -2,6 +2,8 @@
 
 - ``rollout.max_staleness = 0`` through a separate engine fed by the file sync reproduces the
   synchronous trainer's metrics step for step (same seeds); staleness 1 stays within its bound.
+- Rollout workers as Ray actors with their own engines, fed by the file sync, reproduce the
+  in-process run.
 - The demo's RL recipe on 2 Ray environment workers (a local Ray instance) gives the local
   pool's rewards and trajectories for the same seeds; a worker killed mid-step is survived: the
   step completes and the failure is counted.
@@ -173,3 +175,14 @@ def test_demo_rl_recipe_on_ray_workers(tmp_path, tokenizer_dir) -> None:
         if t.info.get("infra")
     ]
     assert failed and all(t.reward is None for t in failed)
+
+
+def test_rollout_workers_on_ray_actors_follow_the_file_sync(tmp_path, tokenizer_dir) -> None:
+    sync_run = prepared(tmp_path / "sync", tokenizer_dir)
+    run_train(recipe(rl_tiny(), sync_run, COMMON))
+    actors_run = prepared(tmp_path / "actors", tokenizer_dir)
+    actors = ["rollout.ray_rollout_workers=2", "rollout.sync.kind='file'"]
+    run_train(recipe(rl_tiny(), actors_run, [*COMMON, *actors]))
+    # two actors, each with its own engine loading every version from RUN/weights: the same run
+    assert comparable(read_metrics(sync_run)) == comparable(read_metrics(actors_run))
+    assert trajectories(sync_run) == trajectories(actors_run)

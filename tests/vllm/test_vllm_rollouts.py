@@ -7,7 +7,8 @@ and the hand-written tasks are rolled out through ``HTTPBackend(dialect="vllm")`
 forward then scores the same tokens: the largest |logprob difference| goes to
 benchmarks/results/vllm_parity.json. Then a second checkpoint is loaded into the running server
 through vLLM's development-mode ``/collective_rpc`` (``reload_weights``), and the served
-logprobs must follow the new weights.
+logprobs must follow the new weights (after ``/reset_prefix_cache``: cached KV blocks of the old
+weights would otherwise serve a repeated prefix).
 """
 
 from __future__ import annotations
@@ -184,8 +185,11 @@ def test_vllm_rollouts_match_etude_logprobs(tmp_path) -> None:
             json={"method": "reload_weights", "kwargs": {"weights_path": str(hf_other)}},
             timeout=600,
         )
-        reload_s = time.monotonic() - t0
         reload_ok = response.status_code == 200
+        # KV blocks cached from the old weights would otherwise serve the same prefix again
+        reset = httpx.post(f"{server.url}/reset_prefix_cache", timeout=120)
+        reload_s = time.monotonic() - t0
+        reload_ok = reload_ok and reset.status_code == 200
         reload_diff = float("nan")
         if reload_ok:
             out = backend.generate([GenerationRequest(prompt_ids=prompt, params=params)])[0]

@@ -74,6 +74,9 @@ class RolloutConfig:
     """Environment workers (Ray actors) with ``workers = "ray"``."""
     ray_address: str = ""
     """Ray cluster to join ('' = start a local instance; ``auto`` = the one ``ray start`` made)."""
+    ray_rollout_workers: int = 0
+    """Rollout workers as Ray actors, each with its own engine and environments
+    (``etude.rl.ray_rollout``; weights by ``sync.kind = "file"``); 0 = generate here."""
     ray_num_cpus: int = 2
     """CPUs of the local Ray instance (with ``ray_address = ""``)."""
     server_url: str = ""
@@ -91,6 +94,13 @@ class RolloutConfig:
             raise ValueError(f"rollout.workers={self.workers!r}: use 'local' or 'ray'")
         if self.ray_workers < 1 or self.ray_num_cpus < 1:
             raise ValueError("rollout.ray_workers and rollout.ray_num_cpus must be >= 1")
+        if self.ray_rollout_workers < 0:
+            raise ValueError(f"rollout.ray_rollout_workers={self.ray_rollout_workers} must be >= 0")
+        if self.ray_rollout_workers and self.sync.kind != "file":
+            raise ValueError(
+                "rollout.ray_rollout_workers > 0: the actors read new weights from files; set "
+                "rollout.sync.kind='file' (RUN/weights on a file system every node sees)"
+            )
         if self.server_url and self.sync.kind != "http":
             raise ValueError(
                 f"rollout.server_url={self.server_url!r} rolls out through a server, which gets "

@@ -856,6 +856,9 @@ class RLRun:
             cfg.rollout.sync, backend=self.backend, model_config=to_dict(self.mcfg), run_dir=run_dir
         )
         self.pipeline: RolloutPipeline | None = None
+        self.ray_rollouts: Any = None
+        """``etude.rl.ray_rollout.RayRollouts`` with ``rollout.ray_rollout_workers`` (in the
+        context)."""
         self.detectors = build_detectors(cfg.feedback)
         self.logger = MetricsLogger(run_dir if rank == 0 else None, config=to_dict(cfg))
         self.start_step = self._resume()
@@ -933,6 +936,21 @@ class RLRun:
         )
         # the rollout side starts from the policy's weights, at the run's version
         self.sync.push(self.model, self.start_step)
+        if cfg.rollout.ray_rollout_workers:
+            from etude.rl.ray_rollout import RayRollouts
+
+            self.ray_rollouts = self._stack.enter_context(
+                RayRollouts(
+                    cfg.rollout.ray_rollout_workers,
+                    weights_dir=self.sync.directory,
+                    tokenizer=self.tok,
+                    env_cfg=cfg.env,
+                    base_dir=self.task_path.parent,
+                    max_workers=cfg.rollout.num_workers,
+                    address=cfg.rollout.ray_address,
+                    num_cpus=cfg.rollout.ray_num_cpus,
+                )
+            )
         self.pipeline = self._stack.enter_context(
             RolloutPipeline(
                 self.draw_tasks,
@@ -974,6 +992,14 @@ class RLRun:
         """G episodes of each task of ``step`` (on a pipeline worker thread)."""
         from etude.rl.rollout import collect_rollouts
 
+        if self.ray_rollouts is not None:  # on the rollout actors, with their own engines
+            return self.ray_rollouts.collect(
+                tasks,
+                self.cfg.rollout,
+                seed=self.cfg.train.seed,
+                step=step,
+                group_offset=self.rank * self.local_groups,
+            )
         return collect_rollouts(
             self.backend,
             self.env_pool,
