@@ -79,8 +79,15 @@ def cmd_model_info(args: argparse.Namespace) -> int:
 def cmd_model_import(args: argparse.Namespace) -> int:
     from etude.parallel.checkpoint import import_hf
 
-    report = import_hf(args.hf_dir, args.out)
+    report = import_hf(args.hf_dir, args.out, chat_format=args.chat_format)
     print(f"imported {report['family']} from {args.hf_dir} into {args.out}")
+    if report["chat_format"] is None:
+        print(
+            "chat format: unknown (the tokenizer matches none of etude's formats); pass "
+            "--chat-format to record one"
+        )
+    else:
+        print(f"chat format: {report['chat_format']}")
     return 0
 
 
@@ -217,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     mp = msub.add_parser("import", help="Hugging Face checkpoint -> etude model directory")
     mp.add_argument("hf_dir", help="directory with config.json and safetensors (+ tokenizer)")
     mp.add_argument("--out", required=True, help="etude model directory to write")
+    mp.add_argument(
+        "--chat-format",
+        default=None,
+        help="etude, hermes, kimi_k2 or deepseek_v3 (default: detected from the tokenizer)",
+    )
     mp.set_defaults(func=cmd_model_import)
     mp = msub.add_parser("export", help="etude run directory -> Hugging Face directory")
     mp.add_argument("run_dir", help="run directory with export/model.safetensors")

@@ -23,7 +23,8 @@ result stays text and can not forge a call (the template's tokenization would ma
 
 Not here: Qwen3's thinking blocks (the template adds an empty ``<think>`` block to the newest
 assistant turn only, which is not append-only; rollouts run without thinking), the Kimi K2 and
-DeepSeek-V3 formats (their own turn and tool-call tokens), parsing tool calls (``etude.env``).
+DeepSeek-V3 formats (``etude.model.kimi_chat``, ``etude.model.deepseek_chat``), parsing tool
+calls (``etude.env``).
 """
 
 from __future__ import annotations

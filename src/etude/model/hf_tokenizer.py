@@ -8,8 +8,9 @@ register the four tool markers as added tokens that are not flagged special; `lo
 flags them (their ids do not change), so untrusted text can not forge them (etude's policy,
 see ``etude.model.tokenizer``). A tokenizer without one of the markers is a ``ValueError``.
 
-Not here: tiktoken files (Kimi K2 ships ``tiktoken.model``; convert it to ``tokenizer.json``
-first), the Kimi and DeepSeek chat formats (their own turn and tool-call tokens).
+Not here: tiktoken files (Kimi K2 ships ``tiktoken.model``: ``etude.model.tiktoken_loader``),
+the Kimi and DeepSeek chat formats and their tokenizers without etude's markers
+(``etude.model.chat_family.load_chat_tokenizer``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def load_hf_tokenizer(directory: str | Path) -> Tokenizer:
     path = Path(directory) / TOKENIZER_FILE
     if not path.is_file():
         hint = (
-            " (it ships tiktoken.model: convert it first)"
+            " (it ships tiktoken.model: load it with etude.model.chat_family.load_chat_tokenizer)"
             if (Path(directory) / "tiktoken.model").is_file()
             else ""
         )

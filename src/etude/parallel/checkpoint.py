@@ -518,18 +518,33 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+def import_hf(
+    hf_dir: str | Path, out_dir: str | Path, *, chat_format: str | None = None
+) -> dict[str, Any]:
     """``etude model import``: a Hugging Face directory -> an etude model directory.
 
     Writes ``OUT/export/model.safetensors`` + ``OUT/export/config.json`` (etude's own names and
     `ModelConfig`, what ``train.init = OUT`` and ``etude generate`` read), ``OUT/tokenizer/``
     (the tokenizer and chat-template files) and ``OUT/hf_source.json`` (family, source, skipped
-    tensors). Returns that source record.
+    tensors, ``chat_format``: the one given, else the one ``etude.model.chat_family`` detects,
+    else None). Returns that source record.
     """
     from etude.config import to_dict
+    from etude.model.chat_family import check_chat_format, detect_chat_format
 
+    if chat_format is not None:
+        check_chat_format(chat_format, "--chat-format")
+    else:
+        try:
+            chat_format = detect_chat_format(hf_dir)
+        except ValueError:
+            chat_format = None  # the weights import; a conversation needs --chat-format
     model, cfg, family = load_hf_model(hf_dir)
-    report: dict[str, Any] = {"family": family, "source": str(Path(hf_dir).resolve())}
+    report: dict[str, Any] = {
+        "family": family,
+        "source": str(Path(hf_dir).resolve()),
+        "chat_format": chat_format,
+    }
     out_dir = Path(out_dir)
     export_safetensors(model, out_dir / "export", to_dict(cfg))
     report["tokenizer_files"] = copy_tokenizer_files(hf_dir, out_dir / "tokenizer")
