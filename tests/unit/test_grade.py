@@ -5,6 +5,7 @@ grade says ``infra`` (reward None), never 0."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -94,6 +95,18 @@ def test_tests_cannot_be_rewritten_during_the_run(tmp_path: Path) -> None:
     result = compute_reward(task, agent, original=pristine, timeout=60)
     assert result.reward == 0.0
     assert "def test_mul():\n    assert" in (pristine / "tests" / "test_ops.py").read_text()
+
+
+def test_the_task_package_wins_over_an_installed_copy(tmp_path: Path) -> None:
+    """tqdm is installed (a dependency of the dev extra's transformers); a task whose package has
+    that name is graded on the tree's package, not on the installed one (site-packages precedes
+    the tree on sys.path)."""
+    assert importlib.util.find_spec("tqdm") is not None, "the dev extra installs tqdm"
+    tests = corpus.TESTS.replace("from calc import", "from tqdm import")
+    files = {"tqdm/__init__.py": "", "tqdm/ops.py": corpus.OPS_GOLD}
+    corpus.write_files(tmp_path / "ws", {**files, "tests/test_ops.py": tests})
+    outcome = grade(tmp_path / "ws", None, ["tqdm/"], IDS)
+    assert outcome.status == "passed", outcome.reason
 
 
 # ------------------------------------------------------------------------ the result channel

@@ -9,7 +9,9 @@ reward, the agent's ``run_tests`` tool, the task validator and ``etude tasks che
 2. **A fresh sandbox** runs ``python -P -B`` (the working directory is not put on ``sys.path``;
    nothing compiled is written) with a bootstrap that imports pytest and the grader's reporter
    *before* any file of the tree can be imported, then appends the test environment's
-   ``PYTHONPATH`` entries and the workspace root *after* site-packages, and points
+   ``PYTHONPATH`` entries and the workspace root *after* site-packages (the task's own packages,
+   named by ``allowed``, are still found in the tree first, by a meta-path finder, where the
+   environment has a copy installed), and points
    ``sys.pycache_prefix`` at an empty private directory, so neither Python nor pytest's
    assertion rewriter reads a ``__pycache__`` of the tree. pytest's configuration and conftest
    files are the pristine tree's (the clean room saw to it); the record's ``test_env`` and
@@ -209,6 +211,21 @@ def _grade_main():
             _emit({"e": "finish", "exit": int(exitstatus), "collected": session.testscollected})
     sys.path[:] = [p for p in sys.path if p and p != os.curdir and os.path.realpath(p) != _ws]
     sys.path += [os.path.join(_ws, p) for p in cfg["paths"]] + [_ws]
+    import importlib.machinery
+    _pins = {}
+    for _prefix in cfg["allowed"]:
+        _parts = _prefix.rstrip("/").split("/")
+        _name = _parts[-1][:-3] if _parts[-1].endswith(".py") else _parts[-1]
+        _pins[_name] = [os.path.join(_ws, *_parts[:-1])]
+    class _TaskPackagesFromTree:
+        # the task's own packages come from the graded tree even where the environment has a
+        # copy installed (site-packages precedes the tree on sys.path)
+        def find_spec(self, name, path=None, target=None):
+            where = _pins.get(name) if path is None else None
+            if where is None:
+                return None
+            return importlib.machinery.PathFinder.find_spec(name, where)
+    sys.meta_path.insert(0, _TaskPackagesFromTree())
     try:
         _ret = int(pytest.main(cfg["args"], plugins=[_Reporter()]))
     except SystemExit as e:

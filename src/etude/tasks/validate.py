@@ -174,6 +174,7 @@ def validate_task(
     passing = set(baseline_passing)
     candidates = set(candidates) & passing
     args = [*COLLECT_ANYWAY, *pytest_args]
+    allowed = allowed_from_paths(patch_paths(patch))  # the package: imported from the tree
 
     broken = copy_tree(workspace, scratch / "broken")
     env = absolute_env(test_env, broken)
@@ -188,7 +189,7 @@ def validate_task(
             ok=False, reason=f"package no longer imports: {', '.join(lost[:3])}", log=log
         )
 
-    run = grade(workspace, None, (), [], test_env, args, sandbox=sandbox, timeout=timeout)
+    run = grade(workspace, None, allowed, [], test_env, args, sandbox=sandbox, timeout=timeout)
     log.add(run)
     if run.timed_out:
         return Validation(ok=False, reason="broken-tree run timed out", log=log)
@@ -216,7 +217,7 @@ def validate_task(
         ids = sorted(f2p - stub_passing)
         if not ids:
             break
-        stub_run = grade(tree, None, (), ids, test_env, args, sandbox=sandbox, timeout=timeout)
+        stub_run = grade(tree, None, allowed, ids, test_env, args, sandbox=sandbox, timeout=timeout)
         log.add(stub_run)
         stub_outcomes = graded_outcomes(stub_run, canonical)
         stub_passing |= {t for t in ids if stub_outcomes.get(t) == "passed"}
@@ -244,7 +245,6 @@ def validate_task(
     gold_ids = sorted(f2p | p2p) if gold_full_suite else sorted(f2p)
     # graded the way the reward grades an agent: the gold tree's package changes on a pristine
     # copy of the broken workspace
-    allowed = allowed_from_paths(patch_paths(patch))
     gold_run = grade(
         workspace, gold, allowed, gold_ids, test_env, args, sandbox=sandbox, timeout=timeout
     )
@@ -378,8 +378,9 @@ def check_record(
                 if not clean:
                     problems.append("workspace has changes not in its commit")
 
+        allowed = allowed_from_paths(patch_paths(record.patch))
         run = grade(
-            workspace, None, (), [], test_env, pytest_args, sandbox=sandbox, timeout=timeout
+            workspace, None, allowed, [], test_env, pytest_args, sandbox=sandbox, timeout=timeout
         )
         result.log.add(run)
         if run.status == "infra":
@@ -409,7 +410,7 @@ def check_record(
         gold_run = grade(
             workspace,
             gold,
-            allowed_from_paths(patch_paths(record.patch)),
+            allowed,
             ids,
             test_env,
             list(extra.get("pytest_args", [])),
@@ -445,7 +446,7 @@ def check_record(
             stub_run = grade(
                 tree,
                 None,
-                (),
+                allowed,
                 record.FAIL_TO_PASS,
                 test_env,
                 pytest_args,
