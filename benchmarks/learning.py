@@ -134,7 +134,11 @@ def main() -> None:
                 f"seed {seed} {arm:8s}: pass@1 {final['pass_at_1']:.3f} "
                 f"[{final['pass_at_1_low']:.2f}, {final['pass_at_1_high']:.2f}] | targeted "
                 f"errors/turn {sft_eval['targeted_error_rate']:.3f} -> {rates[-1]:.3f} | "
-                f"halved after {results[arm][seed]['halving']} of {steps} steps",
+                + (
+                    f"halved after {results[arm][seed]['halving']} of {steps} steps"
+                    if min(rates, default=1.0) <= sft_eval["targeted_error_rate"] / 2
+                    else f"not halved within {steps} steps"
+                ),
                 flush=True,
             )
 

@@ -278,9 +278,9 @@ def verdict_line(before: dict, after: dict, rl_steps: int, feedback: bool) -> st
     elif after["pass_at_1_high"] < before["pass_at_1_low"]:
         call = "WORSE"
     elif a > b:
-        call = "higher, within the intervals"
+        call = "higher; the intervals overlap"
     elif a < b:
-        call = "lower, within the intervals"
+        call = "lower; the intervals overlap"
     else:
         call = "unchanged"
     arm = "RL + text feedback" if feedback else "RL without text feedback"

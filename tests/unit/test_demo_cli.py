@@ -69,7 +69,7 @@ def test_wilson_interval_and_verdict_say_worse_when_worse():
     assert "(WORSE)" in verdict_line(ev(30), ev(5), 10, True)
     assert "(better)" in verdict_line(ev(5), ev(30), 10, True)
     line = verdict_line(ev(10), ev(12), 10, False)
-    assert "within the intervals" in line and "training tasks" in line and "54 eval" in line
+    assert "the intervals overlap" in line and "training tasks" in line and "54 eval" in line
 
 
 def test_monitor_reads_a_demo_run_directory(tmp_path):
