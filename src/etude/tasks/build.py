@@ -621,9 +621,8 @@ class TaskFactory(VariantMaker):
                 d for f in features for d in deleted_definitions(self.sources, f)
             )
             self.log(f"copy search of the sandbox's filesystem: {time.monotonic() - t_scan:.1f}s")
-        deadline = (
-            t0 - self.seconds_baseline + self.cfg.time_budget_s if self.cfg.time_budget_s else None
-        )
+        # the budget is for validating candidates: a slow baseline does not use it up
+        deadline = time.monotonic() + self.cfg.time_budget_s if self.cfg.time_budget_s else None
         outcomes = self.run_features(features, limit=self.cfg.max_tasks, deadline=deadline)
         not_tried = [f.name for f in features[len(outcomes) :]]
         records = [o.record for o in outcomes if o.record is not None]

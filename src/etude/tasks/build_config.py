@@ -59,8 +59,8 @@ class TaskBuildConfig:
     min_time_limit_s: float = 30.0
     """Smallest derived time limit in seconds (interpreter start-up and import costs)."""
     time_budget_s: float = 0.0
-    """Stop starting new candidates after this many seconds of build (0: no budget); the rest
-    are reported as not tried."""
+    """Stop starting new candidates after this many seconds of validation (the baseline not
+    counted; 0: no budget); the rest are reported as not tried."""
     min_difficulty: float = 2.5
     """Reject tasks whose difficulty score is below this floor (``etude.tasks.quality``; 0: off)."""
     dedupe_fail_to_pass: bool = True
