@@ -181,12 +181,16 @@ class TaskFactory(VariantMaker):
                 [*declared_requirements(self.pristine), *self.cfg.test_requirements], declared=True
             )
         self._run_baseline()
-        if self.cfg.install_test_deps and any(d.kind == "missing module" for d in self.diagnoses):
+        for _ in range(3):
             # the repository did not declare everything its tests import: install the
-            # distributions of the missing modules and run the baseline again
+            # distributions of the missing modules and run the baseline again (a module can
+            # hide another one that the same test file imports next)
             missing = [m for d in self.diagnoses for m in d.modules]
-            if self._install([distribution_for(m) for m in missing], declared=False):
-                self._run_baseline()
+            if not (self.cfg.install_test_deps and missing):
+                break
+            if not self._install([distribution_for(m) for m in missing], declared=False):
+                break
+            self._run_baseline()
         for d in self.diagnoses:
             self.log(f"baseline: {d.kind}: {d.line}")
         if not self.baseline.passing:

@@ -31,6 +31,10 @@ _MISSING_RE = re.compile(r"No module named '([A-Za-z0-9_.]+)'")
 _SUMMARY_RE = re.compile(r"^(ERROR|FAILED) (\S+?)(?:::\S+)? - (.*)$", re.M)
 _USAGE_RE = re.compile(r"^(?:[^\n]*?: )?error: (.+)$", re.M)
 _CONFTEST_RE = re.compile(r"ImportError while loading conftest '([^']+)'")
+_IMPORTING_RE = re.compile(
+    r"ImportError while importing test module '([^']+)'.*?No module named '([A-Za-z0-9_.]+)'",
+    re.S,
+)
 _OPTION_RE = re.compile(r"(--?[A-Za-z][\w-]*)")
 
 # options pytest rejects when the plugin that adds them is missing
@@ -113,6 +117,11 @@ def missing_modules(output: str, own: Iterable[str] = ()) -> dict[str, set[str]]
             top = name.split(".")[0]
             if top not in own:
                 out.setdefault(top, set()).add(where)
+    # a collection error's traceback names the test module before the missing import
+    for where, name in _IMPORTING_RE.findall(output):
+        top = name.split(".")[0]
+        if top not in own:
+            out.setdefault(top, set()).add(where.rsplit("/", 1)[-1])
     for name in _MISSING_RE.findall(output):
         top = name.split(".")[0]
         if top not in own:

@@ -10,7 +10,8 @@ told to ``--ignore`` it, and the record lists the requirements (``environment``)
 and any other harness run the tests in the same environment without a network.
 
 Where requirements are read from, in order: ``pyproject.toml`` (``[project.optional-dependencies]``
-and ``[dependency-groups]`` named test/tests/testing/dev, and ``[project] dependencies``),
+and ``[dependency-groups]`` named test/tests/testing/dev, ``[project] dependencies``, Poetry's
+dev and test groups, names only),
 ``setup.cfg`` (``extras_require`` of those names, ``install_requires``), PKG-INFO
 (``Requires-Dist``, with extras of those names), and requirement files
 (``requirements/tests.in``, ``requirements-test.txt``...; ``.in`` before pinned ``.txt``).
@@ -76,6 +77,16 @@ def _from_pyproject(root: Path) -> list[str]:
         return []
     project = data.get("project", {})
     out = [str(r) for r in project.get("dependencies", [])]
+    # Poetry: [tool.poetry.dev-dependencies] and [tool.poetry.group.NAME.dependencies] tables
+    poetry = data.get("tool", {}).get("poetry", {})
+    tables = [poetry.get("dev-dependencies", {})]
+    tables += [
+        g.get("dependencies", {})
+        for name, g in poetry.get("group", {}).items()
+        if name.lower() in TEST_GROUPS and isinstance(g, dict)
+    ]
+    for table in tables:
+        out += [n for n in table if isinstance(n, str) and n.lower() != "python"]
     for table in (project.get("optional-dependencies", {}), data.get("dependency-groups", {})):
         for name, reqs in table.items():
             if name.lower() in TEST_GROUPS:
