@@ -109,6 +109,8 @@ def reason_category(reason: str) -> str:
     ):
         if reason.startswith(prefix):
             return name
+    if "units only its tests reach" in reason:
+        return "no feature-sized group"
     if "lines, outside the budget" in reason:
         return "size budget"
     if "used by" in reason:
