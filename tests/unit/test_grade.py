@@ -109,6 +109,16 @@ def test_the_task_package_wins_over_an_installed_copy(tmp_path: Path) -> None:
     assert outcome.status == "passed", outcome.reason
 
 
+def test_a_flood_on_stderr_does_not_fail_a_correct_solution(tmp_path: Path) -> None:
+    """Only a cut in the result channel (stdout) fails a run; pytest's stream may overflow."""
+    loud = "import sys\n\n\ndef test_loud():\n    sys.stderr.write('x' * (65 << 20))\n"
+    corpus.write_files(tmp_path / "ws", {"pkg/__init__.py": "", "tests/test_loud.py": loud})
+    outcome = grade(
+        tmp_path / "ws", None, ["pkg/"], ["tests/test_loud.py::test_loud"], None, ["-s"]
+    )
+    assert outcome.status == "passed", outcome.reason
+
+
 # ------------------------------------------------------------------------ the result channel
 
 NONCE = "etude-0123"
