@@ -129,6 +129,7 @@ def lines(*records: str) -> str:
 
 
 BOOT = '{"e": "boot"}'
+READY = '{"e": "ready"}'
 START = '{"e": "start"}'
 FINISH = '{"e": "finish", "exit": 0, "collected": 1}'
 EXIT = '{"e": "exit", "code": 0}'
@@ -143,8 +144,8 @@ def passing(test_id: str) -> list[str]:
 
 
 def test_channel_reads_a_sound_run() -> None:
-    reading = read_channel(lines(BOOT, START, *passing("t.py::a"), FINISH, EXIT), NONCE)
-    assert reading.booted and reading.finished and reading.exit_code == 0
+    reading = read_channel(lines(BOOT, READY, START, *passing("t.py::a"), FINISH, EXIT), NONCE)
+    assert reading.booted and reading.ready and reading.finished and reading.exit_code == 0
     assert reading.outcomes == {"t.py::a": "passed"} and reading.problems == []
 
 
@@ -206,6 +207,13 @@ def test_a_sandbox_that_never_starts_is_infra(tmp_path: Path) -> None:
     outcome = grade(pristine, agent, ["calc/"], IDS, sandbox=NeverStarts())
     assert outcome.status == "infra" and "never started" in outcome.reason
     assert "Can't mount proc" in outcome.reason and outcome.failed_ids == IDS
+
+
+def test_a_grader_that_cannot_load_pytest_is_infra(tmp_path: Path) -> None:
+    """32 MiB of address space: the interpreter starts, pytest does not (before any tree code)."""
+    pristine, _ = corpus.make_task(tmp_path)
+    outcome = grade(pristine, None, ["calc/"], IDS, sandbox=SandboxConfig(memory_bytes=32 << 20))
+    assert outcome.status == "infra" and "could not load pytest" in outcome.reason
 
 
 def test_a_missing_pristine_tree_is_infra_and_reward_none(tmp_path: Path) -> None:

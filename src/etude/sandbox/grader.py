@@ -21,8 +21,10 @@ reward, the agent's ``run_tests`` tool, the task validator and ``etude tasks che
    streams one line per test phase as it finishes (with a per-run nonce), then a ``finish`` line
    from ``pytest_sessionfinish`` and an ``exit`` line after ``pytest.main`` returned. Nothing
    written earlier can be rewritten later (it is already in the grader's memory).
-4. **Cross-checks** (`read_channel`): a ``boot`` line must come first (else the sandbox failed:
-   ``infra``); every expected id must be reported run and passed (a missing id fails, a
+4. **Cross-checks** (`read_channel`): a ``boot`` line must come first and a ``ready`` line
+   (sent at the first import of the task's package or at the session's start, whichever comes
+   first: no code the agent could change has run before it) next, else the grader failed
+   (``infra``: the sandbox, the interpreter or pytest's start-up; a solution cannot cause it); every expected id must be reported run and passed (a missing id fails, a
    requested file or class needs at least one test under it and all of them passing); a test
    with two different outcomes for one phase, a line after ``exit``, a malformed line, an
    ``exit`` code that differs from the process's, or a run that ends without ``exit`` fail the
@@ -92,6 +94,20 @@ def _grade_main():
     import tempfile
     sys.dont_write_bytecode = True
     import pluggy, pytest, _pytest.main, _pytest.python, _pytest.reports, _pytest.runner
+    import importlib, importlib.metadata, _pytest.config
+    # pytest's own plugins and the environment's (entry points) are loaded here, before the
+    # `ready` line: a failure to load them is the grader's, and they read their own bytecode
+    for _name in _pytest.config.default_plugins:
+        try:
+            importlib.import_module("_pytest." + _name)
+        except Exception:
+            pass
+    if not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        for _ep in importlib.metadata.entry_points(group="pytest11"):
+            try:
+                _ep.load()
+            except Exception:
+                pass
     # from here on bytecode is looked up in an empty private directory only: no __pycache__ of
     # the tree is read, by the import system or by pytest's assertion rewriter (pytest and
     # the standard library modules above were loaded from their own caches)
@@ -182,6 +198,9 @@ def _grade_main():
             self.plugins = set()
             _emit({"e": "start"})
         @pytest.hookimpl(tryfirst=True)
+        def pytest_sessionstart(self, session):
+            _mark_ready()
+        @pytest.hookimpl(tryfirst=True)
         def pytest_collectreport(self, report):
             if report.failed:
                 _emit({"e": "collect_error", "id": report.nodeid})
@@ -209,6 +228,14 @@ def _grade_main():
             _check("sessionfinish")
             self._check_plugins("sessionfinish")
             _emit({"e": "finish", "exit": int(exitstatus), "collected": session.testscollected})
+    # `ready`: the last moment before code the agent could have changed may run (the first
+    # import of the task's package, or the session's start). A failure before it is the
+    # grader's (the sandbox, the interpreter, pytest's start-up), never the solution's.
+    _ready = []
+    def _mark_ready():
+        if not _ready:
+            _ready.append(True)
+            _emit({"e": "ready"})
     sys.path[:] = [p for p in sys.path if p and p != os.curdir and os.path.realpath(p) != _ws]
     sys.path += [os.path.join(_ws, p) for p in cfg["paths"]] + [_ws]
     import importlib.machinery
@@ -224,6 +251,7 @@ def _grade_main():
             where = _pins.get(name) if path is None else None
             if where is None:
                 return None
+            _mark_ready()
             return importlib.machinery.PathFinder.find_spec(name, where)
     sys.meta_path.insert(0, _TaskPackagesFromTree())
     try:
@@ -306,6 +334,8 @@ class ChannelReading:
     """What the result channel of one run said (`read_channel`)."""
 
     booted: bool = False
+    ready: bool = False
+    """pytest and the reporter loaded, before any file of the tree could run."""
     finished: bool = False
     exit_code: int | None = None
     outcomes: dict[str, str] = field(default_factory=dict)
@@ -358,6 +388,8 @@ def read_channel(stdout: str, nonce: str) -> ChannelReading:
             reading.booted = True
         elif not reading.booted:
             reading.problems.append(f"a {event!r} line before the boot line")
+        elif event == "ready":
+            reading.ready = True
         elif event == "tamper":
             reading.problems.append(f"tampering: {record.get('what')} (at {record.get('where')})")
         elif event == "collect_error":
@@ -553,12 +585,13 @@ def _run(
         (outcome.passed_ids if outcome.outcome(test_id) == "passed" else outcome.failed_ids).append(
             test_id
         )
-    if not reading.booted:
-        outcome.status = "infra" if not result.timed_out else "error"
-        outcome.reason = (
-            f"the sandboxed interpreter never started (exit code {result.exit_code}): "
-            + (result.stderr.strip().splitlines() or [""])[-1][:300]
-        )
+    if not reading.booted or not reading.ready:
+        # nothing of the tree ran before `ready`: the sandbox, the interpreter or pytest itself
+        # failed (or the machine was too slow to start them): not the solution's fault
+        outcome.status = "infra"
+        last = (result.stderr.strip().splitlines() or [""])[-1][:300]
+        where = "never started" if not reading.booted else "could not load pytest"
+        outcome.reason = f"the sandboxed interpreter {where} (exit code {result.exit_code}): {last}"
         if result.timed_out:
             outcome.reason = f"the sandboxed run timed out after {timeout:.0f} s before it started"
     elif "bytes of stdout truncated by the sandbox" in result.stdout:
