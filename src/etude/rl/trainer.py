@@ -1,6 +1,8 @@
 """The RL trainer (``etude train RECIPE``): rollouts, feedback, GRPO-style loss with a hinted KL.
 
-One step, on every data-parallel rank (the trainer never assumes one rank):
+One step (``RLRun.run_step``: ``rollout`` -> ``score`` -> ``advantages`` -> ``teach`` ->
+``update`` -> ``log`` -> ``checkpoint``), on every data-parallel rank (the trainer never
+assumes one rank):
 
 1. **tasks**: ``rollout.tasks_per_step`` tasks drawn from (seed, step); rank r takes its share;
    with the curriculum, rank 0 draws from its pool and broadcasts the records, and every
@@ -10,18 +12,22 @@ One step, on every data-parallel rank (the trainer never assumes one rank):
    the rollout backend (the engine in this process, or a server); with
    ``rollout.max_staleness = k > 0`` the batches of the next k steps run while this one trains,
    and environments run on threads here or on Ray actors (``rollout.workers``);
-3. **monitor** (``etude.monitor.hook.apply_monitor``): flags hacks and zeroes their reward;
+3. **score**: the monitor (``etude.monitor.hook.apply_monitor``) flags hacks and zeroes their
+   reward, then pass/fail and the curriculum's statistics are taken;
 4. **feedback** (``etude.rl.feedback``): detectors attach hints to the turns that need one;
 5. **advantages** (``etude.rl.advantages``): group-relative per task, broadcast to the
    trajectory's generated tokens; zero-variance groups counted (and dropped if configured);
 6. **teacher** (``etude.rl.teacher``): one no-grad forward of the teacher weights on the hinted
    sequences, logits kept at the hinted turns' targets only (before any update, so the default
    teacher is exactly the rollout policy);
-7. **update**: the batch is split into ``rl.num_minibatches`` optimizer steps (Muon + AdamW);
-   each accumulates micro-batches of ``rl.micro_batch_size`` trajectories. Loss per minibatch:
-   token-level PPO-clip against the behavior logprobs, token-mean over the minibatch's trainable
-   tokens on all ranks, + ``teacher.beta`` x the KL on hinted turns (mean over their tokens),
-   + ``rl.ref_kl_coef`` x a KL to the initial policy (k3 estimator, off by default);
+7. **update** (``update_policy``): the batch is split into ``rl.num_minibatches`` optimizer
+   steps (Muon + AdamW); each accumulates micro-batches of ``rl.micro_batch_size``
+   trajectories. Logprobs, entropy and KL are taken under the distribution the engine sampled
+   (temperature, top-k/top-p). Loss per minibatch: token-level PPO-clip against the behavior
+   logprobs (log-ratio clamped, dual clip) + ``teacher.beta`` x the KL on hinted turns +
+   ``rl.ref_kl_coef`` x a KL to the initial policy (k3 estimator, off by default), every term
+   divided by the same count (the minibatch's loss-carrying tokens on all ranks). A minibatch
+   without gradient signal does not step (``rl.update_without_signal``);
 8. **weights to the engine** (``etude.rl.weight_sync``: in process, by file, or over HTTP to the
    server; nothing when the engine runs the policy module itself), EMA teacher update, metrics
    (rank 0 prints, JSONL always), checkpoint.
