@@ -15,7 +15,7 @@ import pytest
 from etude.env.reward import compute_reward, reward_of, task_grading
 from etude.env.tools import Toolbox
 from etude.sandbox import Result, SandboxConfig, grade, make_sandbox
-from etude.sandbox.grader import read_channel
+from etude.sandbox.reporter import read_channel
 from etude.tasks.record import TaskRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))
