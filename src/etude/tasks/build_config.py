@@ -39,8 +39,10 @@ class TaskBuildConfig:
     """Tasks validated at once (each test run is one sandboxed process)."""
     workspace_format: Literal["dir", "tar.gz"] = "dir"
     """Write each workspace as a directory or as a reproducible ``.tar.gz``."""
-    gold_full_suite: bool = False
-    """Also run PASS_TO_PASS on the gold-patched tree (else it must equal the baseline tree)."""
+    gold_full_suite: bool = True
+    """Grade the gold-patched tree on FAIL_TO_PASS and PASS_TO_PASS, as the reward will (false:
+    FAIL_TO_PASS only, one whole-suite run cheaper per task; a tree the grader refuses, e.g. a
+    test wrapped by package code, is then found only by ``etude tasks check``)."""
     leak_min_line_chars: int = 16
     """Shortest normalized line of deleted code the leak scan looks for."""
     leak_ngram: int = 3
