@@ -39,10 +39,9 @@ class TaskBuildConfig:
     """Tasks validated at once (each test run is one sandboxed process)."""
     workspace_format: Literal["dir", "tar.gz"] = "dir"
     """Write each workspace as a directory or as a reproducible ``.tar.gz``."""
-    gold_full_suite: bool = True
-    """Grade the gold-patched tree on FAIL_TO_PASS and PASS_TO_PASS, as the reward will (false:
-    FAIL_TO_PASS only, one whole-suite run cheaper per task; a tree the grader refuses, e.g. a
-    test wrapped by package code, is then found only by ``etude tasks check``)."""
+    gold_full_suite: bool = False
+    """Also grade the gold-patched tree on PASS_TO_PASS (one whole-suite run more per task; by
+    default they rest on the gold tree being identical to the baseline tree, where they passed)."""
     leak_min_line_chars: int = 16
     """Shortest normalized line of deleted code the leak scan looks for."""
     leak_ngram: int = 3
