@@ -115,3 +115,11 @@ def test_import_records_the_format_and_the_override(tmp_path, capsys):
     argv[-1] = "etude"
     assert main(argv) == 0
     assert detect_chat_format(tmp_path / "b") == "etude"  # the record wins over detection
+
+
+def test_a_tokenizer_without_the_family_markers_is_an_error(tmp_path):
+    ds = write_dir(tmp_path / "d", DEEPSEEK_MARKERS, "deepseek_v3")
+    with pytest.raises(ValueError, match="no id for the marker"):
+        load_chat_tokenizer(ds, "kimi_k2")
+    with pytest.raises(ValueError, match="needs all of"):
+        KimiConversation(Tokenizer.train(TEXTS, vocab_size=300))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,23 +137,21 @@ def arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-@dataclass
 class AppendOnlyChat:
     """Ids, loss mask and text of one conversation, grown by appending parts.
 
     A part is a marker (written as its id) or plain text (tokenized in one piece).
     """
 
-    tokenizer: ChatTokenizer
-    markers: tuple[str, ...]
-    _ids: list[int] = field(default_factory=list)
-    _mask: list[int] = field(default_factory=list)
-    _text: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._marker_ids = {}
+    def __init__(self, tokenizer: ChatTokenizer, markers: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.markers = tuple(markers)
+        self._ids: list[int] = []
+        self._mask: list[int] = []
+        self._text: list[str] = []
+        self._marker_ids: dict[str, int] = {}
         for m in self.markers:
-            token_id = self.tokenizer.token_to_id(m)
+            token_id = tokenizer.token_to_id(m)
             if token_id is None:
                 raise ValueError(
                     f"the tokenizer has no id for {m!r}; this chat format needs all of "
