@@ -48,7 +48,9 @@ from etude.model.family_chat import (
     MalformedCall,
     ParsedCall,
     arguments_text,
+    malformed_call,
     parse_arguments,
+    scan_tool_calls,
 )
 
 
@@ -234,8 +236,7 @@ class DeepSeekV3Conversation:
 
 
 def _malformed(problem: str, raw: str, name: str | None = None) -> MalformedCall:
-    message = f"Malformed tool call: {problem}. Write {CALL_FORMAT}."
-    return MalformedCall(kind="malformed_call", message=message, raw=raw, name=name)
+    return malformed_call(problem, raw, CALL_FORMAT, name)
 
 
 def _parse_call(body: str) -> ParsedCall:
@@ -255,51 +256,15 @@ def _parse_call(body: str) -> ParsedCall:
     return parsed
 
 
-def _parse_block(block: str) -> list[ParsedCall]:
-    out: list[ParsedCall] = []
-    pos = 0
-    while True:
-        begin = block.find(CALL_BEGIN, pos)
-        stray = block.find(CALL_END, pos)
-        if stray != -1 and (begin == -1 or stray < begin):
-            out.append(_malformed(f"{CALL_END} without {CALL_BEGIN}", block[pos:stray]))
-            pos = stray + len(CALL_END)
-            continue
-        if begin == -1:
-            return out
-        start = begin + len(CALL_BEGIN)
-        end = block.find(CALL_END, start)
-        reopen = block.find(CALL_BEGIN, start)
-        if end == -1 or (reopen != -1 and reopen < end):
-            stop = reopen if reopen != -1 else len(block)
-            out.append(_malformed(f"{CALL_BEGIN} is not closed by {CALL_END}", block[start:stop]))
-            pos = stop
-            continue
-        out.append(_parse_call(block[start:end]))
-        pos = end + len(CALL_END)
-
-
 def parse_deepseek_tool_calls(text: str) -> list[ParsedCall]:
     """Every tool call of a generated assistant turn, in order (see the module docstring)."""
-    out: list[ParsedCall] = []
-    pos = 0
-    while True:
-        begin = text.find(CALLS_BEGIN, pos)
-        outside = text[pos:] if begin == -1 else text[pos:begin]
-        for marker in (CALL_BEGIN, CALL_END, CALLS_END):
-            if marker in outside:
-                out.append(_malformed(f"{marker} outside {CALLS_BEGIN}...{CALLS_END}", outside))
-                break
-        if begin == -1:
-            return out
-        start = begin + len(CALLS_BEGIN)
-        end = text.find(CALLS_END, start)
-        if end == -1:
-            out += _parse_block(text[start:])
-            out.append(_malformed(f"{CALLS_BEGIN} is not closed by {CALLS_END}", text[start:]))
-            return out
-        out += _parse_block(text[start:end])
-        pos = end + len(CALLS_END)
+    return scan_tool_calls(
+        text,
+        section=(CALLS_BEGIN, CALLS_END),
+        call=(CALL_BEGIN, CALL_END),
+        parse_call=_parse_call,
+        call_format=CALL_FORMAT,
+    )
 
 
 def deepseek_content(text: str) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -129,6 +129,75 @@ def parse_arguments(raw: str, name: str | None, call_format: str) -> ParsedCall:
         message = f"Malformed tool call: the arguments of {name} must be a JSON object, got {kind}."
         return MalformedCall(kind="malformed_json", message=message, raw=raw, name=name)
     return FamilyCall(name=name, arguments=value)
+
+
+def malformed_call(
+    problem: str, raw: str, call_format: str, name: str | None = None
+) -> MalformedCall:
+    """A call whose markers or header could not be read, with the format the model should write."""
+    message = f"Malformed tool call: {problem}. Write {call_format}."
+    return MalformedCall(kind="malformed_call", message=message, raw=raw, name=name)
+
+
+def scan_tool_calls(
+    text: str,
+    *,
+    section: tuple[str, str],
+    call: tuple[str, str],
+    parse_call: Callable[[str], ParsedCall],
+    call_format: str,
+) -> list[ParsedCall]:
+    """Every tool call of a generated turn whose calls sit in ``section`` markers, each between
+    ``call`` markers (Kimi K2's and DeepSeek-V3's layouts), in order. A marker out of place, or a
+    section or call left open, is a `MalformedCall`; the scan goes on after it."""
+    section_begin, section_end = section
+    call_begin, call_end = call
+
+    def bad(problem: str, raw: str) -> MalformedCall:
+        return malformed_call(problem, raw, call_format)
+
+    def calls_in(block: str) -> list[ParsedCall]:
+        out: list[ParsedCall] = []
+        pos = 0
+        while True:
+            begin = block.find(call_begin, pos)
+            stray = block.find(call_end, pos)
+            if stray != -1 and (begin == -1 or stray < begin):
+                out.append(bad(f"{call_end} without {call_begin}", block[pos:stray]))
+                pos = stray + len(call_end)
+                continue
+            if begin == -1:
+                return out
+            start = begin + len(call_begin)
+            end = block.find(call_end, start)
+            reopen = block.find(call_begin, start)
+            if end == -1 or (reopen != -1 and reopen < end):
+                stop = reopen if reopen != -1 else len(block)
+                out.append(bad(f"{call_begin} is not closed by {call_end}", block[start:stop]))
+                pos = stop
+                continue
+            out.append(parse_call(block[start:end]))
+            pos = end + len(call_end)
+
+    out: list[ParsedCall] = []
+    pos = 0
+    while True:
+        begin = text.find(section_begin, pos)
+        outside = text[pos:] if begin == -1 else text[pos:begin]
+        for marker in (call_begin, call_end, section_end):
+            if marker in outside:
+                out.append(bad(f"{marker} outside {section_begin}...{section_end}", outside))
+                break
+        if begin == -1:
+            return out
+        start = begin + len(section_begin)
+        end = text.find(section_end, start)
+        if end == -1:
+            out += calls_in(text[start:])
+            out.append(bad(f"{section_begin} is not closed by {section_end}", text[start:]))
+            return out
+        out += calls_in(text[start:end])
+        pos = end + len(section_end)
 
 
 def arguments_text(arguments: Any) -> str:

@@ -44,7 +44,9 @@ from etude.model.family_chat import (
     MalformedCall,
     ParsedCall,
     arguments_text,
+    malformed_call,
     parse_arguments,
+    scan_tool_calls,
 )
 
 IM_USER = "<|im_user|>"
@@ -202,8 +204,7 @@ class KimiConversation:
 
 
 def _malformed(problem: str, raw: str, name: str | None = None) -> MalformedCall:
-    message = f"Malformed tool call: {problem}. Write {CALL_FORMAT}."
-    return MalformedCall(kind="malformed_call", message=message, raw=raw, name=name)
+    return malformed_call(problem, raw, CALL_FORMAT, name)
 
 
 def _parse_call(body: str) -> ParsedCall:
@@ -221,51 +222,15 @@ def _parse_call(body: str) -> ParsedCall:
     return FamilyCall(name=name, arguments=parsed.arguments, call_id=header.strip())
 
 
-def _parse_section(section: str) -> list[ParsedCall]:
-    out: list[ParsedCall] = []
-    pos = 0
-    while True:
-        begin = section.find(CALL_BEGIN, pos)
-        stray = section.find(CALL_END, pos)
-        if stray != -1 and (begin == -1 or stray < begin):
-            out.append(_malformed(f"{CALL_END} without {CALL_BEGIN}", section[pos:stray]))
-            pos = stray + len(CALL_END)
-            continue
-        if begin == -1:
-            return out
-        start = begin + len(CALL_BEGIN)
-        end = section.find(CALL_END, start)
-        reopen = section.find(CALL_BEGIN, start)
-        if end == -1 or (reopen != -1 and reopen < end):
-            stop = reopen if reopen != -1 else len(section)
-            out.append(_malformed(f"{CALL_BEGIN} is not closed by {CALL_END}", section[start:stop]))
-            pos = stop
-            continue
-        out.append(_parse_call(section[start:end]))
-        pos = end + len(CALL_END)
-
-
 def parse_kimi_tool_calls(text: str) -> list[ParsedCall]:
     """Every tool call of a generated assistant turn, in order (see the module docstring)."""
-    out: list[ParsedCall] = []
-    pos = 0
-    while True:
-        begin = text.find(SECTION_BEGIN, pos)
-        outside = text[pos:] if begin == -1 else text[pos:begin]
-        for marker in (CALL_BEGIN, CALL_END, SECTION_END):
-            if marker in outside:
-                out.append(_malformed(f"{marker} outside {SECTION_BEGIN}...{SECTION_END}", outside))
-                break
-        if begin == -1:
-            return out
-        start = begin + len(SECTION_BEGIN)
-        end = text.find(SECTION_END, start)
-        if end == -1:
-            out += _parse_section(text[start:])
-            out.append(_malformed(f"{SECTION_BEGIN} is not closed by {SECTION_END}", text[start:]))
-            return out
-        out += _parse_section(text[start:end])
-        pos = end + len(SECTION_END)
+    return scan_tool_calls(
+        text,
+        section=(SECTION_BEGIN, SECTION_END),
+        call=(CALL_BEGIN, CALL_END),
+        parse_call=_parse_call,
+        call_format=CALL_FORMAT,
+    )
 
 
 def kimi_content(text: str) -> str:
