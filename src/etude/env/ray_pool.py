@@ -380,7 +380,8 @@ class RayEnvPool:
             try:
                 self._ray.get(ref, timeout=self.call_timeout_s)
             except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
-                pass  # a dead worker's episode directories died with it (or its node)
+                # a dead worker's episode directories died with it (or its node)
+                continue
 
     def in_flight(self) -> int:
         """Episodes started (reset) and not yet released."""
