@@ -43,6 +43,13 @@ def test_counts_match_hand_arithmetic():
     assert counts["total"] == 18064
     assert counts["active_by_part"]["routed_experts"] == 2 * 2880 * 2 // 5
     assert counts["active"] == 18064 - 5760 + 2304
+    assert counts["active_without_embedding"] == counts["active"] - 1600
+    # an MTP module: one more MoE layer (attention 1536, routed 2880, shared 1152, router 80,
+    # 2 norms 32) + eh_proj 16 x 32 + enorm, hnorm, head norm 3 x 16
+    assert counts["mtp_module"] == {
+        "total": 1536 + 2880 + 1152 + 80 + 32 + 512 + 48,
+        "active": 1536 + 2880 * 2 // 5 + 1152 + 80 + 32 + 512 + 48,
+    }
     assert counts["by_kind"] == {
         "embedding": 1600,
         "heads_dim0": 3 * 1024,
@@ -68,6 +75,8 @@ def test_counts_match_hand_arithmetic():
 def test_counts_tied_and_dense_variants():
     tied = count_params(hand_cfg(tie_embeddings=True))
     assert tied["by_part"]["head"] == 0 and tied["total"] == 18064 - 1600
+    # tied: the table is also the head, so it stays activated
+    assert tied["active_without_embedding"] == tied["active"]
     dense = count_params(hand_cfg(num_experts=0))
     assert dense["by_part"]["routed_experts"] == dense["by_part"]["router"] == 0
     assert dense["by_part"]["dense_ffn"] == 3 * 1920
@@ -107,18 +116,50 @@ def test_kimi_k2_counts_on_meta():
 
 
 def test_deepseek_v3_counts_match_published():
+    # DeepSeek-V3 README_WEIGHTS.md: main model 671B, activated 36.6B including the output head
+    # (not the input embedding); 685B on Hugging Face with the MTP module and its own copies of
+    # the embedding and head
     counts = count_params(ModelConfig.preset("deepseek-v3"))
-    assert abs(counts["total"] / 671e9 - 1) < 0.001  # published 671B without the MTP module
-    assert abs(counts["active"] / 37e9 - 1) < 0.02  # published ~37B
+    assert counts["total"] == 671_026_404_352
+    assert abs(counts["total"] / 671e9 - 1) < 0.001
+    assert counts["active_without_embedding"] == 36_625_603_584
+    assert abs(counts["active_without_embedding"] / 36.6e9 - 1) < 0.001
+    assert abs(counts["active"] / 37e9 - 1) < 0.02  # headline 37B; 37.55B with the embedding
+    copies = counts["by_part"]["embedding"] + counts["by_part"]["head"]
+    checkpoint = counts["total"] + counts["mtp_module"]["total"] + copies
+    assert abs(checkpoint / 685e9 - 1) < 0.001
+
+
+def test_kimi_k2_counts_by_definition():
+    # exact figures of the released architecture (docs/checkpoints.md has the arithmetic)
+    counts = count_params(ModelConfig.preset("kimi-k2"))
+    assert counts["total"] == 1_026_408_209_408
+    assert counts["active"] == 32_861_477_888
+    assert counts["active_without_embedding"] == 31_687_072_768
+    assert counts["mtp_module"]["total"] == 17_162_146_816
+    # DeepSeek's definition: activated within 1% of the model card's 32B, but the main-model
+    # total is 1.3% short of 1.04T; only a (hypothetical, unreleased) MTP module reaches it
+    assert abs(counts["active_without_embedding"] / 32e9 - 1) <= 0.01
+    assert abs(counts["total"] / 1.04e12 - 1) > 0.01
+    assert abs((counts["total"] + counts["mtp_module"]["total"]) / 1.04e12 - 1) <= 0.01
+    assert abs(counts["active"] / 32.6e9 - 1) <= 0.01  # the technical report's 32.6B
 
 
 def test_format_model_info():
     text = format_model_info(ModelConfig.preset("kimi-k2"))
     total = count_params(ModelConfig.preset("kimi-k2"))["total"]
     assert f"{total:,}" in text and "1.03T" in text
-    assert "Kimi K2 as published: ~1.04T total, ~32B active" in text
+    assert "Kimi K2 as published; * = within 1%" in text
+    assert "total, main model                    1.03T   -1.3%  vs 1.04T" in text
+    assert "total + 1 MTP module                 1.04T   +0.3%* vs 1.04T" in text
+    assert "31,687,072,768" in text and "-1.0%* vs 32B (model card)" in text
+    assert "+0.8%* vs 32.6B (technical report)" in text
+    deepseek = format_model_info(ModelConfig.preset("deepseek-v3"))
+    assert "DeepSeek-V3 as published" in deepseek and "+0.1%* vs 36.6B" in deepseek
+    assert "-0.1%* vs 685B" in deepseek
     assert "attention MLA 64 heads (q rank 1536, kv rank 512, qk 128+64, v 128)" in text
     assert "7168 x 2048" in text
     tiny = format_model_info(ModelConfig.preset("tiny"))
+    assert "as published" not in tiny
     assert "MLA" not in tiny and f"{count_params(ModelConfig.preset('tiny'))['total']:,}" in tiny
     assert text.isascii() and tiny.isascii()

@@ -5,17 +5,29 @@ metadata, so the counts are the model's own, not a formula that could drift from
 shapes (1T parameters) take about a second. ``format_model_info(cfg)`` renders the counts as the
 plain-text table printed by ``etude model info``.
 
-Active parameters per token = everything except routed experts, plus top-k of E routed experts
-(embedding rows and the output head are counted whole, as published MoE counts do).
+Active parameters per token = everything except routed experts, plus top-k of E routed experts,
+with the embedding table and the output head counted whole. Publishers differ on two points, so
+the counts come in both ways (``counts_by_definition``):
 
-The ``kimi-k2`` and ``deepseek-v3`` presets build the published architecture (MLA included), so
-their counts are the checkpoints' own: DeepSeek-V3 comes to 671.0B (published 671B without its
-multi-token-prediction module), Kimi K2 to 1.026T total and 32.9B active (published "1.04T" and
-"32B"/"32.6B"; the released checkpoint holds the same 61 layers).
+- the input embedding: DeepSeek-V3's README_WEIGHTS.md counts 36.6B activated "including 0.9B
+  for the output Head", i.e. without the input embedding (a row lookup, no multiply);
+- a multi-token-prediction (MTP) module: DeepSeek-V3's 671B excludes its one MTP module (one more
+  MoE layer plus a 2d -> d projection and three norms, sharing embedding and head; 685B on
+  Hugging Face with it). ``mtp_module`` counts such a module for any config, shaped like the
+  model's last layer.
+
+With DeepSeek's definition (main model total; activated without the input embedding) the
+``deepseek-v3`` preset gives 671.03B and 36.63B against the published 671B and 36.6B. The same
+definition gives Kimi K2 1.026T (-1.3% from the technical report's 1.04T) and 31.69B activated
+(-1.0% from the model card's 32B, -2.8% from the report's 32.6B); Kimi K2's total reaches 1.04T
+only if an MTP module is counted, and its release has none (docs/checkpoints.md has the
+arithmetic and what each definition meets). ``PUBLISHED`` holds the
+figures and where they come from; ``format_model_info`` prints each definition against them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -36,8 +48,56 @@ PARTS = (
 )
 """Parts a parameter count is broken into, in table order."""
 
-KIMI_K2_PUBLISHED = {"total": 1.04e12, "active": 32e9}
-"""Kimi K2 as published (Kimi K2 technical report): ~1.04T total, ~32B activated parameters."""
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Published:
+    """A model's parameter counts as its publisher states them, with the sources."""
+
+    name: str
+    """Model name as published."""
+    total: float
+    """Total parameters of the main model as published."""
+    actives: tuple[tuple[str, float], ...]
+    """Activated parameters per token, (where stated, value), most precise first."""
+    released_mtp_modules: int
+    """Multi-token-prediction modules in the released checkpoint (``num_nextn_predict_layers``)."""
+    checkpoint_total: float | None = None
+    """Parameters of the released files where stated (MTP modules with their own copies of the
+    embedding and head included)."""
+    source: str
+    """Where the figures come from, and what each one includes."""
+
+
+PUBLISHED = {
+    # README.md and README_WEIGHTS.md of deepseek-ai/DeepSeek-V3 (and the technical report,
+    # arXiv 2412.19437): "Main Model Weights ... Total parameters: 671B; Activation
+    # parameters: 36.6B (including 0.9B for the output Head)"; the MTP module "11.5B unique
+    # parameters (excluding the shared 0.9B Embedding and 0.9B output Head)"; 685B on Hugging
+    # Face = 671B + 14B of MTP weights; headline 671B total / 37B activated. (Another
+    # revision of README_WEIGHTS.md says 36.7B "including 0.9B for Embedding and 0.9B for the
+    # output Head"; the arithmetic gives 37.55B with the embedding, 36.63B without it.)
+    "deepseek-v3": Published(
+        name="DeepSeek-V3",
+        total=671e9,
+        actives=(("README_WEIGHTS.md", 36.6e9), ("headline", 37e9)),
+        released_mtp_modules=1,
+        checkpoint_total=685e9,
+        source="DeepSeek-V3 README_WEIGHTS.md: main model 671B, activated 36.6B incl. the "
+        "output head (not the input embedding); + 1 MTP module, 685B on Hugging Face",
+    ),
+    # Kimi K2 technical report (arXiv 2507.20534), Table 2 and section 2: 1.04T total, 32.6B
+    # activated; model card of moonshotai/Kimi-K2-Instruct / Kimi-K2-Base: "1T total
+    # parameters", "32B activated". The released config.json has num_nextn_predict_layers 0.
+    "kimi-k2": Published(
+        name="Kimi K2",
+        total=1.04e12,
+        actives=(("technical report", 32.6e9), ("model card", 32e9)),
+        released_mtp_modules=0,
+        source="Kimi K2 technical report (arXiv 2507.20534): 1.04T total, 32.6B activated; "
+        "model card: 1T / 32B; the release has no MTP module",
+    ),
+}
+"""Published counts of the presets that build a published architecture."""
 
 
 _SHAPE_FIELDS = (
@@ -73,13 +133,21 @@ def _part_of(name: str, kind: str) -> str:
 def count_params(cfg: ModelConfig) -> dict[str, Any]:
     """Counts of a model with config ``cfg``, built on the meta device.
 
-    Returns a dict with ``total`` and ``active`` (ints), ``by_part`` and ``active_by_part``
-    ({part: count} over ``PARTS``), ``by_kind`` ({metadata kind: count}) and ``muon_blocks``
-    ({(m, n): number of Newton-Schulz blocks of that shape}).
+    Returns a dict with ``total`` and ``active`` (ints; the embedding counted as active),
+    ``active_without_embedding`` (DeepSeek's definition of activated), ``mtp_module``
+    ({"total", "active"} of one DeepSeek-style multi-token-prediction module, not part of
+    ``total``), ``by_part`` and ``active_by_part`` ({part: count} over ``PARTS``), ``by_kind``
+    ({metadata kind: count}) and ``muon_blocks`` ({(m, n): number of Newton-Schulz blocks of
+    that shape}).
     """
     with torch.device("meta"):
         model = Transformer(cfg)
     meta = collect_param_meta(model)
+    prefix = f"layers.{cfg.num_layers - 1}."
+
+    def meta_kind(name: str) -> str:
+        return meta[prefix + name].kind
+
     by_part = dict.fromkeys(PARTS, 0)
     by_kind: dict[str, int] = {}
     muon_blocks: dict[tuple[int, int], int] = {}
@@ -96,9 +164,23 @@ def count_params(cfg: ModelConfig) -> dict[str, Any]:
         assert by_part["routed_experts"] % cfg.num_experts == 0
         per_expert = by_part["routed_experts"] // cfg.num_experts
         active_by_part["routed_experts"] = per_expert * cfg.num_experts_per_tok
+    # One DeepSeek-style MTP module (DeepSeek-V3 README_WEIGHTS.md, technical report sec. 2.2):
+    # enorm, hnorm, eh_proj [d, 2d], one transformer layer shaped like the last one, and the
+    # shared head's norm; its embedding and output head are the main model's (not counted).
+    last = model.layers[-1]
+    layer_total = sum(p.numel() for p in last.parameters())
+    layer_routed = sum(p.numel() for n, p in last.named_parameters() if meta_kind(n) == "experts")
+    extra = 2 * cfg.dim * cfg.dim + 3 * cfg.dim
+    layer_active = layer_total - layer_routed
+    if layer_routed:
+        layer_active += layer_routed // cfg.num_experts * cfg.num_experts_per_tok
+    # the input embedding is a row lookup: with tied weights the table is the head, still used
+    lookup_only = 0 if cfg.tie_embeddings else by_part["embedding"]
     return {
         "total": sum(by_part.values()),
         "active": sum(active_by_part.values()),
+        "active_without_embedding": sum(active_by_part.values()) - lookup_only,
+        "mtp_module": {"total": layer_total + extra, "active": layer_active + extra},
         "by_part": by_part,
         "active_by_part": active_by_part,
         "by_kind": by_kind,
@@ -119,9 +201,55 @@ def _human_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
 
-def _is_kimi_k2_shape(cfg: ModelConfig) -> bool:
-    reference = ModelConfig.preset("kimi-k2")
-    return all(getattr(cfg, f) == getattr(reference, f) for f in _SHAPE_FIELDS)
+def published_of(cfg: ModelConfig) -> Published | None:
+    """The published counts of the preset whose shapes ``cfg`` has, if any."""
+    for name, published in PUBLISHED.items():
+        reference = ModelConfig.preset(name)
+        if all(getattr(cfg, f) == getattr(reference, f) for f in _SHAPE_FIELDS):
+            return published
+    return None
+
+
+def counts_by_definition(counts: dict[str, Any]) -> dict[str, int]:
+    """Totals and activated counts the ways publishers count them (see the module docstring)."""
+    return {
+        "total, main model": counts["total"],
+        "total + 1 MTP module": counts["total"] + counts["mtp_module"]["total"],
+        "activated, with input embedding": counts["active"],
+        "activated, without it (DeepSeek)": counts["active_without_embedding"],
+    }
+
+
+def _published_lines(counts: dict[str, Any], published: Published) -> list[str]:
+    """Each definition against the published figures; '*' marks a deviation within 1%."""
+
+    def vs(ours: int, theirs: float) -> str:
+        deviation = ours / theirs - 1
+        return f"{deviation:+.1%}{'*' if abs(deviation) <= 0.01 else ' '} vs {_human(theirs)}"
+
+    by_definition = counts_by_definition(counts)
+    if published.checkpoint_total is not None:
+        # the released files store the MTP modules' own copies of the embedding and head
+        copies = counts["by_part"]["embedding"] + counts["by_part"]["head"]
+        with_mtp = counts["mtp_module"]["total"] + copies
+        by_definition["checkpoint files"] = (
+            counts["total"] + published.released_mtp_modules * with_mtp
+        )
+    lines = ["", f"{published.name} as published; * = within 1%", f"  ({published.source})"]
+    for label, ours in by_definition.items():
+        if label == "checkpoint files":
+            compared = [vs(ours, published.checkpoint_total)]
+        elif label.startswith("total"):
+            compared = [vs(ours, published.total)]
+        else:
+            compared = [f"{vs(ours, value)} ({where})" for where, value in published.actives]
+        lines.append(f"  {label:<34}{_human(ours):>8}   " + ", ".join(compared))
+    mtp = "module" if published.released_mtp_modules == 1 else "modules"
+    lines.append(
+        f"  the released checkpoint has {published.released_mtp_modules} MTP {mtp}; DeepSeek's "
+        "definition is the main-model total and activated without the input embedding"
+    )
+    return lines
 
 
 def format_model_info(cfg: ModelConfig) -> str:
@@ -163,14 +291,15 @@ def format_model_info(cfg: ModelConfig) -> str:
     lines += ["", "Muon blocks (m x n: count)"]
     for (m, n), num in counts["muon_blocks"].items():
         lines.append(f"  {m:>6} x {n:<6} {num:>10,}")
-    if _is_kimi_k2_shape(cfg):
-        published = KIMI_K2_PUBLISHED
-        lines += [
-            "",
-            f"Kimi K2 as published: ~{_human(published['total'])} total, "
-            f"~{_human(published['active'])} active; ours: {_human(counts['total'])} total, "
-            f"{_human(counts['active'])} active "
-            f"({counts['total'] / published['total'] - 1:+.1%} / "
-            f"{counts['active'] / published['active'] - 1:+.1%}).",
-        ]
+    lines += ["", "Counts by definition (docs/checkpoints.md)"]
+    for label, value in counts_by_definition(counts).items():
+        lines.append(f"  {label:<34}{value:>22,}{_human(value):>8}")
+    mtp = counts["mtp_module"]
+    lines.append(
+        f"  (1 MTP module: one more layer like the last, eh_proj and norms: {mtp['total']:,} "
+        f"total, {mtp['active']:,} activated)"
+    )
+    published = published_of(cfg)
+    if published is not None:
+        lines += _published_lines(counts, published)
     return "\n".join(lines)
