@@ -14,6 +14,7 @@ import shlex
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import uuid
@@ -37,6 +38,7 @@ LOCAL_GAPS = {
     "hidden": "local has no mounts to mask hidden paths",
     "private_tmp": "local shares the host /tmp (only HOME/TMPDIR are private)",
     "setsid_orphan": "a process that calls setsid() leaves local's process group",
+    "io_uring": "local installs no seccomp filter",
 }
 if IS_ROOT:
     LOCAL_GAPS["process_limit"] = "root ignores RLIMIT_NPROC and local keeps the caller's uid"
@@ -231,6 +233,27 @@ def test_tmp_is_private(request, backend, ws):
         assert not probe.exists()  # ...and it is not the host's
     finally:
         probe.unlink(missing_ok=True)
+
+
+IO_URING_SETUP = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "params = ctypes.create_string_buffer(120)  # struct io_uring_params\n"
+    "fd = libc.syscall(425, 4, params)  # io_uring_setup(4 entries)\n"
+    "print('ring' if fd >= 0 else os.strerror(ctypes.get_errno()))\n"
+)
+
+
+def test_io_uring_is_refused(request, backend, ws):
+    """io_uring opens bypass the provenance tracer (they are not system calls of the process):
+    the sandbox refuses to create a ring at all."""
+    host = subprocess.run([sys.executable, "-c", IO_URING_SETUP], capture_output=True, text=True)
+    if host.stdout != "ring\n":
+        pytest.skip(f"this host refuses io_uring itself ({host.stdout.strip()})")
+    attack(request, backend, "io_uring")
+    r = make(backend).run(["python3", "-c", IO_URING_SETUP], ws)
+    assert r.ok, r.stderr
+    assert r.stdout == "Function not implemented\n"
 
 
 def test_hidden_paths_read_empty(request, backend, ws):

@@ -350,6 +350,7 @@ def run_process_tree(
     timeout_s: float,
     max_output_bytes: int,
     preexec_fn: Callable[[], None] | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> Result:
     """Run ``argv`` in a new session; kill its process group on the deadline and after it exits.
 
@@ -385,6 +386,7 @@ def run_process_tree(
             start_new_session=True,
             preexec_fn=preexec_fn,
             close_fds=True,
+            pass_fds=tuple(pass_fds),
         )
     except OSError as e:  # the program is missing or not executable: report it as a shell would
         return Result(

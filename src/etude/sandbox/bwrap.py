@@ -20,6 +20,10 @@ One ``bwrap`` invocation per command builds a new mount, PID, IPC, UTS, cgroup a
   user namespace are locked by the kernel, so a command cannot unmount a mask to look
   underneath.
 
+Every run gets a seccomp filter (``bwrap --seccomp``, ``etude.sandbox.seccomp``) that refuses the
+io_uring calls with ``ENOSYS``: an operation submitted through a ring is not a system call of the
+process, so the provenance tracer would not see it.
+
 Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes, file
 size, open files, no core files). Root ignores RLIMIT_NPROC, also inside a user namespace that
 maps back to root, so when etude runs as root the command is started by ``setpriv`` as an
@@ -54,7 +58,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from etude.sandbox import provenance
+from etude.sandbox import provenance, seccomp
 from etude.sandbox.base import (
     Result,
     SandboxConfig,
@@ -282,15 +286,26 @@ class BwrapSandbox:
         return args
 
     def command(
-        self, argv: list[str], ws: Path, uid: int | None, trace_dir: str | None = None
+        self,
+        argv: list[str],
+        ws: Path,
+        uid: int | None,
+        trace_dir: str | None = None,
+        *,
+        seccomp_fd: int | None = None,
     ) -> list[str]:
         """The full bwrap argv for ``argv`` in workspace ``ws`` (as ``uid`` when given).
+
+        ``seccomp_fd``: a descriptor the bwrap process inherits holding ``seccomp.filter_program``
+        (io_uring refused); None leaves it out (only for callers that do not run the argv).
 
         With ``trace_dir`` the tracer (``etude.sandbox.provenance``) starts first, before the
         privilege drop, and writes its log into that host directory.
         """
         args = [*self._static_args, *self._mkdirs_for(str(ws), set(self._dirs_made))]
         args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws)]
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
         if trace_dir is not None:
             cap = self._trace_cap()
             args += ["--bind", trace_dir, provenance.TRACE_DIR, "--"]
@@ -333,17 +348,20 @@ class BwrapSandbox:
             max_output_bytes=self.config.max_output_bytes,
         )
         with contextlib.ExitStack() as stack:
+            filter_fd = seccomp.filter_fd()
+            stack.callback(os.close, filter_fd)
+            run = functools.partial(run, pass_fds=(filter_fd,))
             trace_dir = None
             if self.config.provenance:
                 trace_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="etude-trace-"))
             if not self._as_root:
-                result = run(self.command(argv, ws, None, trace_dir))
+                result = run(self.command(argv, ws, None, trace_dir, seccomp_fd=filter_fd))
             else:
                 with _workspace_lock(ws), _lease_uid(*self.config.uid_range) as uid:
                     owner = os.stat(ws)
                     chown_tree(ws, uid, uid)
                     try:
-                        result = run(self.command(argv, ws, uid, trace_dir))
+                        result = run(self.command(argv, ws, uid, trace_dir, seccomp_fd=filter_fd))
                     finally:
                         chown_tree(ws, owner.st_uid, owner.st_gid)
             if trace_dir is not None:

@@ -28,7 +28,8 @@ by a process the command cannot signal or read (it runs as the sandbox's root be
 the leased uid); when etude runs as an ordinary user the tracer has the command's uid and a
 determined command could kill it: the record then ends early and ``complete`` is False. The
 trace file lives on the host while the command runs, capped at ``TRACE_MAX_BYTES``. Opens
-submitted through io_uring are not syscalls of their own and are not seen.
+submitted through io_uring are not system calls of their own and would not be seen: the sandbox
+refuses io_uring (``etude.sandbox.seccomp``).
 """
 
 from __future__ import annotations
