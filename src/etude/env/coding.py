@@ -27,6 +27,10 @@
   logprobs (0.0 where not given or not trainable), parsed calls and typed errors.
 - ``close()`` removes the episode directory (the env is a context manager).
 
+The conversation is in the policy's chat format (``chat_format``: etude's ChatML by default, an
+imported family's own template and tool-call syntax otherwise; ``etude.env.episode_chat``): the
+``<|im_end|>``, ChatML headers and ``<tool_call>`` above are the ``etude`` format's.
+
 What this module does not do: generate (``etude.engine``), batch episodes (``etude.env.pool``),
 detect hacks (``etude.monitor``) or decide which turns get hints (``etude.rl.feedback``).
 """
@@ -45,13 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from etude.env.protocol import (
-    TOOL_DECLARATIONS,
-    append_results,
-    run_turn,
-    system_prompt,
-    turn_record,
-)
+from etude.env.episode_chat import EpisodeChat
+from etude.env.protocol import TOOL_DECLARATIONS, append_results, run_turn, turn_record
 from etude.env.reward import (
     RewardResult,
     compute_reward,
@@ -61,8 +60,7 @@ from etude.env.reward import (
 )
 from etude.env.tools import Toolbox, ToolConfig, tool_schemas
 from etude.env.trajectory import ToolCall, ToolError, Trajectory
-from etude.model.chat import Conversation, Span, encode_header
-from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
+from etude.model.chat import Span
 from etude.sandbox import SandboxConfig, make_sandbox
 from etude.sandbox.masking import find_package_copies, visible_roots
 from etude.tasks.layout import detect_layout
@@ -78,7 +76,6 @@ DEFAULT_INSTRUCTIONS = (
     "not edit them, change the code."
 )
 FINISH_REASONS = ("submit", "max_turns", "max_tokens", "timeout")
-_ASSISTANT_MARKERS = (TOOL_CALL_START, TOOL_CALL_END)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -242,6 +239,10 @@ class CodingEnv:
 
     ``base_dir`` is the directory the record's relative ``etude.workspace`` is resolved against
     (the directory of its tasks.jsonl). ``clock`` is the time source of the wall-clock limit.
+    ``chat_format`` is the policy's chat format (``etude.model.chat_family``: ``etude`` for
+    etude's own models, the family's for an imported checkpoint) and ``tokenizer`` the one it
+    needs (``load_chat_tokenizer``); episodes are rendered and parsed in it
+    (``etude.env.episode_chat``).
     """
 
     def __init__(
@@ -249,9 +250,10 @@ class CodingEnv:
         task: TaskRecord,
         cfg: EnvConfig | None = None,
         *,
-        tokenizer: Tokenizer,
+        tokenizer: Any,
         base_dir: str | os.PathLike[str] = ".",
         clock: Callable[[], float] = time.monotonic,
+        chat_format: str = "etude",
     ) -> None:
         if task.etude is None:
             raise ValueError(
@@ -263,15 +265,17 @@ class CodingEnv:
         self.task = task
         self.cfg = cfg if cfg is not None else EnvConfig()
         self.tokenizer = tokenizer
+        self.chat_format = chat_format
         self.base_dir = Path(base_dir)
         self._clock = clock
-        self._header_len = len(encode_header(tokenizer, "assistant"))
+        # checks the format and the declarations before any episode (a ValueError names them)
+        self._header_len = self._new_chat().max_prompt_len
         self._episode_dir: Path | None = None
         self._original: Path | None = None
         self._masked: tuple[str, ...] = ()
         self._toolbox: Toolbox | None = None
         self._repo: dict[str, Any] = {}
-        self._conversation: Conversation | None = None
+        self._chat: EpisodeChat | None = None
         self._trajectory: Trajectory | None = None
         self._header_start = 0
         self._started = 0.0
@@ -284,10 +288,21 @@ class CodingEnv:
     # ------------------------------------------------------------ state
 
     @property
-    def conversation(self) -> Conversation:
-        if self._conversation is None:
+    def chat(self) -> EpisodeChat:
+        """The episode's conversation in the policy's chat format."""
+        if self._chat is None:
             raise ValueError("no episode: call reset() first")
-        return self._conversation
+        return self._chat
+
+    @property
+    def conversation(self) -> Any:
+        """The format's own builder (``etude.model.chat.Conversation`` for ``etude``)."""
+        return self.chat.conversation
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids at which generation of an assistant turn stops (the format's end of turn)."""
+        return (self._new_chat().end_id,) if self._chat is None else (self._chat.end_id,)
 
     @property
     def trajectory(self) -> Trajectory:
@@ -299,12 +314,12 @@ class CodingEnv:
     @property
     def prompt_ids(self) -> list[int]:
         """The ids to continue: the whole conversation, ending with an open assistant header."""
-        return self.conversation.ids
+        return self.chat.ids
 
     @property
     def tokens_left(self) -> int:
         """How many ids the next assistant turn may have before the episode hits max_tokens."""
-        return max(self.cfg.max_tokens - len(self.conversation), 0)
+        return max(self.cfg.max_tokens - len(self.chat), 0)
 
     @property
     def done(self) -> bool:
@@ -328,7 +343,7 @@ class CodingEnv:
     # ------------------------------------------------------------ lifecycle
 
     @_holding_busy
-    def reset(self) -> Conversation:
+    def reset(self) -> Any:
         """Start a new episode (removing the previous one's directory); returns the conversation."""
         self.close()
         etude = self.task.etude
@@ -390,26 +405,32 @@ class CodingEnv:
         roots = visible_roots(self.cfg.sandbox.extra_ro_paths)
         return tuple(find_package_copies(self._original, allowed, roots))
 
-    def _start_conversation(self) -> None:
-        conversation = Conversation(self.tokenizer)
-        trajectory = Trajectory(task_id=self.task.instance_id, info={"repo": self._repo})
-        system = system_prompt(
-            tool_schemas(),
-            preamble=self.cfg.instructions,
+    def _new_chat(self) -> EpisodeChat:
+        return EpisodeChat(
+            self.chat_format,
+            self.tokenizer,
+            instructions=self.cfg.instructions,
+            tools=tool_schemas(),
             declarations=self.cfg.tool_declarations,
         )
-        for role, text in (("system", system), ("user", self.task.problem_statement)):
-            span = conversation.add_message(role, text)
-            trajectory.turns.append(turn_record(conversation, span, role, text))
-        prompt_len = len(conversation) + self._header_len
+
+    def _start_conversation(self) -> None:
+        chat = self._new_chat()
+        trajectory = Trajectory(task_id=self.task.instance_id, info={"repo": self._repo})
+        trajectory.info["chat_format"] = self.chat_format
+        system = turn_record(chat, chat.system_span, "system", chat.system_text)
+        trajectory.turns.append(system)
+        user = self.task.problem_statement
+        trajectory.turns.append(turn_record(chat, chat.add_user(user), "user", user))
+        prompt_len = len(chat) + self._header_len
         if prompt_len >= self.cfg.max_tokens:
             raise ValueError(
                 f"the prompt of task {self.task.instance_id!r} is {prompt_len} tokens, not below "
                 f"env.max_tokens={self.cfg.max_tokens}; raise env.max_tokens"
             )
-        self._conversation = conversation
+        self._chat = chat
         self._trajectory = trajectory
-        self._header_start = conversation.add_generation_prompt().start
+        self._header_start = chat.add_generation_prompt().start
         self._num_assistant_turns = 0
         self._finish_reason = ""
         self._scored = False
@@ -426,12 +447,12 @@ class CodingEnv:
     ) -> StepResult:
         """Append one assistant turn, run its tool calls, append their results.
 
-        Give either ``text`` (encoded like an assistant message, ``<|im_end|>`` added) or the
-        generated ``token_ids`` (ending with ``<|im_end|>`` unless the generation was cut) with
+        Give either ``text`` (encoded like an assistant message, the format's end id added) or the
+        generated ``token_ids`` (ending with the end id unless the generation was cut) with
         their behavior ``logprobs`` (one per id; default 0.0), and the ``policy_version`` of
         the weights that generated them (recorded on the turn).
         """
-        conversation = self.conversation
+        chat = self.chat
         if self.done:
             raise ValueError(
                 f"the episode is over ({self._finish_reason}); call finish() or reset()"
@@ -441,10 +462,7 @@ class CodingEnv:
         if text is not None:
             if logprobs is not None:
                 raise ValueError("logprobs go with token_ids, not with text")
-            ids = [
-                *self.tokenizer.encode(text, allow_special=_ASSISTANT_MARKERS),
-                self.tokenizer.im_end_id,
-            ]
+            ids = chat.encode_assistant(text)
             behavior = [0.0] * len(ids)
         else:
             ids = [int(i) for i in token_ids]
@@ -453,15 +471,10 @@ class CodingEnv:
                 raise ValueError(
                     f"logprobs has {len(behavior)} entries for {len(ids)} token ids; give one per id"
                 )
-        gen_span = conversation.add_generated(ids)
+        gen_span = chat.add_generated(ids)
         start = self._header_start
         # the turn spans header, generated ids and (when closed) the separator
-        turn = turn_record(
-            conversation,
-            Span(start, len(conversation)),
-            "assistant",
-            conversation.messages[-1].content,
-        )
+        turn = turn_record(chat, Span(start, len(chat)), "assistant", chat.generated_text())
         offset = gen_span.start - start
         turn.logprobs[offset : offset + len(behavior)] = behavior
         turn.policy_version = policy_version
@@ -469,7 +482,7 @@ class CodingEnv:
         self._num_assistant_turns += 1
 
         observations: list[str] = []
-        if conversation.turn_open or len(conversation) >= self.cfg.max_tokens:
+        if chat.turn_open or len(chat) >= self.cfg.max_tokens:
             reason = "max_tokens"
         else:
             result = run_turn(
@@ -477,17 +490,19 @@ class CodingEnv:
                 self._toolbox_or_fail(),
                 deadline=self._started + self.cfg.wall_clock_s,
                 clock=self._clock,
+                parse=chat.parse_calls,
+                reminder=chat.reminder,
             )
             turn.tool_calls = list(result.calls)
             turn.errors = list(result.errors)
-            for record in append_results(conversation, result):
+            for record in append_results(chat, result):
                 self.trajectory.turns.append(record)
                 observations.append(record.text)
             if result.submitted:
                 reason = "submit"
             elif result.timed_out or self._clock() >= self._started + self.cfg.wall_clock_s:
                 reason = "timeout"
-            elif len(conversation) + self._header_len >= self.cfg.max_tokens:
+            elif len(chat) + self._header_len >= self.cfg.max_tokens:
                 reason = "max_tokens"
             elif self._num_assistant_turns >= self.cfg.max_turns:
                 reason = "max_turns"
@@ -495,14 +510,14 @@ class CodingEnv:
                 reason = ""
         self._finish_reason = reason
         if not reason:
-            self._header_start = conversation.add_generation_prompt().start
+            self._header_start = chat.add_generation_prompt().start
         return StepResult(
             observations=observations,
             done=bool(reason),
             finish_reason=reason,
             tool_calls=list(turn.tool_calls),
             errors=list(turn.errors),
-            num_tokens=len(conversation),
+            num_tokens=len(chat),
         )
 
     def _toolbox_or_fail(self) -> Toolbox:
@@ -542,7 +557,7 @@ class CodingEnv:
         trajectory.info.update(
             num_assistant_turns=self._num_assistant_turns,
             num_tool_calls=sum(len(t.tool_calls) for _, t in trajectory.assistant_turns()),
-            num_tokens=len(self.conversation),
+            num_tokens=len(self.chat),
             error_counts=dict(sorted(errors.items())),
             episode_seconds=round(self._clock() - self._started, 3),
             reward_seconds=round(result.duration, 3),

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from etude.env.coding import Agent, CodingEnv, EnvConfig, StepResult, run_episode
+from etude.env.episode_chat import end_of_turn_id
 from etude.env.trajectory import Trajectory
-from etude.model.chat import Conversation
-from etude.model.tokenizer import Tokenizer
+from etude.model.chat_family import check_chat_format
 from etude.tasks.record import TaskRecord
 
 T = TypeVar("T")
@@ -69,12 +69,13 @@ class EnvPool:
         self,
         cfg: EnvConfig | None = None,
         *,
-        tokenizer: Tokenizer,
+        tokenizer: Any,
         base_dir: str | os.PathLike[str] = ".",
         max_workers: int = 4,
         reset_timeout_s: float | None = None,
         step_timeout_s: float | None = None,
         finish_timeout_s: float | None = None,
+        chat_format: str = "etude",
     ) -> None:
         if not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers={max_workers!r} must be an int >= 1")
@@ -90,6 +91,9 @@ class EnvPool:
         )
         self._abandoned: dict[int, str] = {}
         self.tokenizer = tokenizer
+        self.chat_format = check_chat_format(chat_format)
+        self.stop_token_ids = (end_of_turn_id(chat_format, tokenizer),)
+        """Where generation of an assistant turn stops (the chat format's end of turn)."""
         self.base_dir = Path(base_dir)
         self.max_workers = max_workers
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="etude-env")
@@ -101,7 +105,13 @@ class EnvPool:
         """A new env for ``task``, tracked for cleanup (call ``reset`` or ``reset_many`` on it)."""
         if self._closed:
             raise ValueError("the pool is closed; make a new EnvPool")
-        env = CodingEnv(task, self.cfg, tokenizer=self.tokenizer, base_dir=self.base_dir)
+        env = CodingEnv(
+            task,
+            self.cfg,
+            tokenizer=self.tokenizer,
+            base_dir=self.base_dir,
+            chat_format=self.chat_format,
+        )
         with self._lock:
             self._envs.append(env)
         return env
@@ -151,7 +161,7 @@ class EnvPool:
         """Whether a call on ``env`` overran its timeout (the env is no longer used)."""
         return id(env) in self._abandoned
 
-    def reset_many(self, envs: Sequence[CodingEnv]) -> list[Conversation]:
+    def reset_many(self, envs: Sequence[CodingEnv]) -> list[Any]:
         """Reset every env concurrently (copying workspaces); their conversations in order.
 
         Raises `PoolTimeout` when a reset overran ``reset_timeout_s``.
@@ -276,7 +286,7 @@ def _timeout(name: str, value: float | None, default: float) -> float:
     return float(value)
 
 
-def _reset(env: CodingEnv) -> Conversation:
+def _reset(env: CodingEnv) -> Any:
     return env.reset()
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from etude.env.tools import Toolbox, json_type_name
 from etude.env.trajectory import ToolCall, ToolError, Turn
-from etude.model.chat import Conversation, Span, tools_system_prompt
+from etude.model.chat import Span, tools_system_prompt
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START
 
 CALL_FORMAT = f'{TOOL_CALL_START}{{"name": "<tool name>", "arguments": {{...}}}}{TOOL_CALL_END}'
@@ -262,17 +262,20 @@ def run_turn(
     *,
     deadline: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    parse: Callable[[str], list[ParsedCall]] = parse_tool_calls,
+    reminder: str = NO_TOOL_CALL_MESSAGE,
 ) -> TurnResult:
     """Parse the calls of an assistant turn and run them in order (see the module docstring).
 
     ``deadline`` is a ``clock()`` time after which no call starts; each call's timeout is capped
-    by the time left.
+    by the time left. ``parse`` and ``reminder`` are the chat format's call parser and no-call
+    reminder (``etude.env.episode_chat``; etude's own by default).
     """
     turn = TurnResult()
-    parsed = parse_tool_calls(text)
+    parsed = parse(text)
     if not parsed:
-        turn.reminder = NO_TOOL_CALL_MESSAGE
-        turn.errors.append(ToolError(kind="no_tool_call", message=NO_TOOL_CALL_MESSAGE))
+        turn.reminder = reminder
+        turn.errors.append(ToolError(kind="no_tool_call", message=reminder))
         return turn
     for segment in parsed:
         call = segment.call
@@ -315,8 +318,9 @@ def run_turn(
     return turn
 
 
-def turn_record(conversation: Conversation, span: Span, role: str, text: str) -> Turn:
-    """A trajectory `Turn` for the ids of ``span``, copied from the conversation."""
+def turn_record(conversation: Any, span: Span, role: str, text: str) -> Turn:
+    """A trajectory `Turn` for the ids of ``span``, copied from the conversation (anything with
+    ``ids`` and ``loss_mask``)."""
     ids = conversation.ids[span.slice]
     mask = conversation.loss_mask[span.slice]
     return Turn(role=role, text=text, token_ids=ids, trainable=mask, logprobs=[0.0] * len(ids))
@@ -329,17 +333,22 @@ def _encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def append_results(conversation: Conversation, turn: TurnResult) -> list[Turn]:
-    """Append the answers of ``turn`` (tool messages, or the reminder) and return their Turns."""
+def append_results(chat: Any, turn: TurnResult) -> list[Turn]:
+    """Append the answers of ``turn`` (tool results, or the reminder) to ``chat`` (an
+    ``etude.env.episode_chat.EpisodeChat``) and return their Turns."""
     out = []
-    for result in turn.results:
+    for index, result in enumerate(turn.results):
         observation = _encodable(result.observation)
-        span = conversation.add_message("tool", observation)
-        record = turn_record(conversation, span, "tool", observation)
+        if result.call is not None:
+            name = result.call.name
+        else:
+            name = result.error.tool if result.error is not None else None
+        span = chat.add_tool_result(observation, index, name)
+        record = turn_record(chat, span, "tool", observation)
         record.tool_name = result.call.name if result.call is not None else None
         record.provenance = result.provenance
         out.append(record)
     if turn.reminder is not None:
-        span = conversation.add_message("user", turn.reminder)
-        out.append(turn_record(conversation, span, "user", turn.reminder))
+        span = chat.add_user(turn.reminder)
+        out.append(turn_record(chat, span, "user", turn.reminder))
     return out

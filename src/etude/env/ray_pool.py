@@ -213,6 +213,8 @@ class RayEnvPool:
             raise ValueError(f"rollout.ray_workers={num_workers} must be >= 1")
         self.cfg = cfg if cfg is not None else EnvConfig()
         self.tokenizer = tokenizer
+        self.stop_token_ids = (tokenizer.im_end_id,)
+        """Where generation of an assistant turn stops (etude's ``<|im_end|>``)."""
         self.base_dir = Path(base_dir).resolve()
         self.max_workers = max_workers
         self.call_timeout_s = (

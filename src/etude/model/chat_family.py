@@ -130,6 +130,35 @@ def detect_chat_format(directory: str | Path, *, chat_format: str | None = None)
     )
 
 
+def policy_chat_format(init: str) -> str:
+    """The chat format of a recipe's starting policy (``train.init``): a Hugging Face directory's
+    (``hf:PATH``, `detect_chat_format`), the one ``etude model import`` recorded in a model
+    directory, else ``etude`` (a fresh model, or a run of etude's own)."""
+    if init.startswith("hf:"):
+        return detect_chat_format(init[3:])
+    if init and (Path(init) / SOURCE_FILE).is_file():
+        return detect_chat_format(init)
+    return "etude"
+
+
+RL_CHAT_FORMATS = ("etude", "hermes")
+"""Formats the RL trainer runs end to end: its hint messages, SFT data and export are ChatML."""
+
+
+def check_rl_chat_format(init: str) -> str:
+    """`policy_chat_format` of ``train.init``, or a ``ValueError`` if the RL trainer can not train
+    a policy of that format."""
+    chat_format = policy_chat_format(init)
+    if chat_format not in RL_CHAT_FORMATS:
+        raise ValueError(
+            f"train.init={init!r} speaks the {chat_format} chat format; the RL trainer's hint "
+            f"messages and export are ChatML ({', '.join(RL_CHAT_FORMATS)} formats only). Roll "
+            "this model out with etude.env.pool.EnvPool(chat_format=...) and "
+            "etude.rl.rollout.collect_rollouts, or serve it with `etude serve`"
+        )
+    return chat_format
+
+
 def new_conversation(
     chat_format: str,
     tokenizer: Any,

@@ -221,6 +221,11 @@ class DeepSeekV3Conversation:
             self._output_first = True
         self._last_user = False
 
+    def encode_turn_text(self, text: str) -> list[int]:
+        """Ids of an assistant turn's text as the template writes it: the markers in it as their
+        ids, the rest plain text (a scripted turn; the model's own ids go to `add_generated`)."""
+        return self._chat.encode_parts(self._chat.split_markers(text))
+
     @property
     def ids(self) -> list[int]:
         return self._chat.ids

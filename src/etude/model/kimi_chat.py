@@ -182,6 +182,11 @@ class KimiConversation:
         calls = parse_kimi_tool_calls(self.tokenizer.decode(ids))
         self._unanswered = [c.call_id for c in calls if isinstance(c, FamilyCall) and c.call_id]
 
+    def encode_turn_text(self, text: str) -> list[int]:
+        """Ids of an assistant turn's text as the template writes it: the markers in it as their
+        ids, the rest plain text (a scripted turn; the model's own ids go to `add_generated`)."""
+        return self._chat.encode_parts(self._chat.split_markers(text))
+
     @property
     def ids(self) -> list[int]:
         return self._chat.ids

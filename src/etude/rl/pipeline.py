@@ -198,9 +198,17 @@ def separate_engine_needed(cfg: Any, world_size: int) -> bool:
     return world_size > 1 or cfg.max_staleness > 0 or cfg.sync.kind != "in_process"
 
 
-def make_env_pool(cfg: Any, env_cfg: Any, *, tokenizer: Any, base_dir: Any) -> Any:
-    """The environment pool ``cfg.workers`` asks for: threads here, or Ray actors."""
+def make_env_pool(
+    cfg: Any, env_cfg: Any, *, tokenizer: Any, base_dir: Any, chat_format: str = "etude"
+) -> Any:
+    """The environment pool ``cfg.workers`` asks for: threads here, or Ray actors; episodes in
+    the policy's ``chat_format`` (Ray workers speak ``etude`` only)."""
     if cfg.workers == "ray":
+        if chat_format != "etude":
+            raise ValueError(
+                f"rollout.workers='ray' renders etude's chat format; this policy speaks "
+                f"{chat_format}: set rollout.workers = 'local'"
+            )
         from etude.env.ray_pool import RayEnvPool
 
         return RayEnvPool(
@@ -214,7 +222,13 @@ def make_env_pool(cfg: Any, env_cfg: Any, *, tokenizer: Any, base_dir: Any) -> A
         )
     from etude.env.pool import EnvPool
 
-    return EnvPool(env_cfg, tokenizer=tokenizer, base_dir=base_dir, max_workers=cfg.num_workers)
+    return EnvPool(
+        env_cfg,
+        tokenizer=tokenizer,
+        base_dir=base_dir,
+        max_workers=cfg.num_workers,
+        chat_format=chat_format,
+    )
 
 
 def make_backend(cfg: Any, engine: Any) -> Any:

@@ -180,7 +180,6 @@ def collect_rollouts(
             f"env.max_tokens={pool.cfg.max_tokens} exceeds the backend's max_seq_len "
             f"({limit}); lower env.max_tokens or raise model.max_seq_len"
         )
-    tokenizer = pool.tokenizer
     started = time.perf_counter()
     stats = RolloutStats()
     G = cfg.group_size
@@ -205,7 +204,7 @@ def collect_rollouts(
                     temperature=cfg.temperature,
                     top_p=cfg.top_p,
                     top_k=cfg.top_k,
-                    stop_token_ids=(tokenizer.im_end_id,),
+                    stop_token_ids=pool.stop_token_ids,
                     seed=derive_seed(group_seed, sample),
                 )
                 session = f"step{step}-group{group_offset + group}-sample{sample}"

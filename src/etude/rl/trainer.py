@@ -69,6 +69,7 @@ from etude.config import to_dict
 from etude.engine.sampling import sampling_logprobs
 from etude.env.coding import EnvConfig
 from etude.env.trajectory import ERROR_KINDS, Trajectory, is_infra_failure, write_jsonl
+from etude.model.chat_family import check_rl_chat_format, policy_chat_format
 from etude.monitor.hook import MonitorConfig
 from etude.optim import OptimConfig
 from etude.rl.advantages import group_advantages
@@ -230,6 +231,7 @@ class TrainConfig:
                 f"train.init={self.init!r} has no export/model.safetensors; pass a run directory "
                 "written by `etude sft` (or leave train.init empty to start from scratch)"
             )
+        check_rl_chat_format(self.init)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -938,12 +940,24 @@ class RLRun:
     def __enter__(self) -> RLRun:
         cfg = self.cfg
         self.env_pool = self._stack.enter_context(
-            make_env_pool(cfg.rollout, cfg.env, tokenizer=self.tok, base_dir=self.task_path.parent)
+            make_env_pool(
+                cfg.rollout,
+                cfg.env,
+                tokenizer=self.tok,
+                base_dir=self.task_path.parent,
+                chat_format=policy_chat_format(cfg.train.init),
+            )
         )
         # the rollout side starts from the policy's weights, at the run's version
         self.sync.push(self.model, self.start_step)
         if cfg.rollout.ray_rollout_workers:
             from etude.rl.ray_rollout import RayRollouts
+
+            if policy_chat_format(cfg.train.init) != "etude":
+                raise ValueError(
+                    "rollout.ray_rollout_workers render etude's chat format; this policy speaks "
+                    f"{policy_chat_format(cfg.train.init)}: set rollout.ray_rollout_workers = 0"
+                )
 
             self.ray_rollouts = self._stack.enter_context(
                 RayRollouts(
