@@ -73,6 +73,11 @@ class MarkerTokenizer:
             raise ValueError(f"no tokenizer file at {path}")
         return cls(tokenizers.Tokenizer.from_file(str(path)), markers)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids of the tokenizer, added tokens (the markers) included."""
+        return self._plain.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str) -> list[int]:
         return self._plain.encode(text, add_special_tokens=False).ids
 

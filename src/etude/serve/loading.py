@@ -9,11 +9,15 @@ PATH may be:
 - a checkpoint step directory of a run (``RUN/checkpoints/step_N`` with ``extra.json``): the
   model shape from ``RUN/export/config.json``, the weights from the DCP checkpoint;
 - a Hugging Face checkpoint directory (``config.json`` with ``architectures``, safetensors
-  shards), converted by ``etude.parallel.checkpoint.load_hf_checkpoint``. A ``tokenizer.json``
-  with the ChatML and tool-call markers as single ids (Qwen's) is loaded by
-  ``etude.model.hf_tokenizer.load_hf_tokenizer`` and chat works as for etude's own models; any
-  other ``tokenizer.json`` only decodes text, and the model serves ``/v1/completions`` with
-  token ids (``etude model import`` writes a run directory, served as above).
+  shards), converted by ``etude.parallel.checkpoint.load_hf_checkpoint``.
+
+The chat format (``Served.chat_format``) is the model's own: the one ``etude model import``
+recorded (``hf_source.json``) or ``etude.model.chat_family.detect_chat_format`` finds in the
+tokenizer files (Kimi K2's or DeepSeek-V3's markers, Qwen's ChatML: ``hermes``), with the
+tokenizer that format needs (``load_chat_tokenizer``); a directory of etude's own speaks
+``etude``. A Hugging Face tokenizer with the ChatML markers but no family sign also speaks
+``etude``; any other tokenizer only decodes text, and the model serves ``/v1/completions`` with
+token ids.
 
 Not here: GGUF or other formats, quantized serving, downloading anything.
 """
@@ -24,9 +28,16 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from etude.env.episode_chat import end_of_turn_id
+from etude.model.chat_family import (
+    SOURCE_FILE,
+    detect_chat_format,
+    load_chat_tokenizer,
+)
 from etude.model.tokenizer import Tokenizer
 from etude.model.transformer import Transformer
 
@@ -37,13 +48,15 @@ class Served:
 
     model: Transformer
     name: str
-    tokenizer: Tokenizer | None
-    """etude's tokenizer (chat template, tool calls); None when the checkpoint has none that
-    speaks ChatML."""
+    tokenizer: Any
+    """The chat format's tokenizer (etude's `Tokenizer` for ``etude``/``hermes``, a marker
+    tokenizer for the families); None when the checkpoint has no chat format etude speaks."""
+    chat_format: str | None
+    """The model's chat format (``etude.model.chat_family.CHAT_FORMATS``), None without one."""
     decode: Callable[[list[int]], str] | None
     """Ids -> text for the ``text`` fields and stop strings (None: no tokenizer at all)."""
     stop_token_ids: tuple[int, ...]
-    """Ids that end an assistant message (``<|im_end|>``); empty when unknown."""
+    """Ids that end an assistant message (the chat format's end of turn); empty when unknown."""
     source: Path
 
 
@@ -69,9 +82,16 @@ def load_served(path: str | Path, *, device: str = "cpu", name: str = "") -> Ser
     source = Path(path).resolve()
     if not source.is_dir():
         raise ValueError(f"{path}: not a directory; pass a run, export, checkpoint or HF directory")
-    tokenizer: Tokenizer | None = None
+    tokenizer: Any = None
+    chat_format: str | None = "etude"
     decode = None
-    if (source / "export" / "model.safetensors").is_file():
+    if (source / SOURCE_FILE).is_file():  # `etude model import`: the recorded format
+        model = build_model(_model_config(source / "export" / "config.json"), device=device, seed=0)
+        load_safetensors(model, source / "export" / "model.safetensors")
+        chat_format, tokenizer = _family_tokenizer(source)
+        if tokenizer is None:
+            decode = _decode_only(source / "tokenizer")
+    elif (source / "export" / "model.safetensors").is_file():
         model = build_model(_model_config(source / "export" / "config.json"), device=device, seed=0)
         load_safetensors(model, source / "export" / "model.safetensors")
         tokenizer = _etude_tokenizer(source / "tokenizer")
@@ -99,16 +119,14 @@ def load_served(path: str | Path, *, device: str = "cpu", name: str = "") -> Ser
         with torch.device("meta"):
             model = Transformer(cfg)
         load_hf_checkpoint(model, source, device=device)
-        if (source / "tokenizer.json").is_file():
+        chat_format, tokenizer = _family_tokenizer(source)
+        if tokenizer is None and (source / "tokenizer.json").is_file():
             from etude.model.hf_tokenizer import load_hf_tokenizer
 
-            try:  # ChatML markers as single ids (Qwen-style): chat and tool calls work
-                tokenizer = load_hf_tokenizer(source)
-            except ValueError:  # another chat format: token ids in and out, text decoded only
-                import tokenizers
-
-                hf_tok = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
-                decode = lambda ids: hf_tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+            try:  # ChatML markers as single ids, no family sign: etude's chat format
+                tokenizer, chat_format = load_hf_tokenizer(source), "etude"
+            except ValueError:  # no format etude speaks: token ids in and out, text decoded
+                decode = _decode_only(source)
     else:
         raise ValueError(
             f"{source}: no model found; pass a run directory (export/model.safetensors), an "
@@ -122,15 +140,38 @@ def load_served(path: str | Path, *, device: str = "cpu", name: str = "") -> Ser
                 f"{model.cfg.vocab_size}; serve the tokenizer the model was trained with"
             )
         decode = tokenizer.decode
+    else:
+        chat_format = None
     model.eval().requires_grad_(False)
     return Served(
         model=model,
         name=name or source.name,
         tokenizer=tokenizer,
         decode=decode,
-        stop_token_ids=(tokenizer.im_end_id,) if tokenizer is not None else (),
+        chat_format=chat_format,
+        stop_token_ids=(end_of_turn_id(chat_format, tokenizer),) if chat_format else (),
         source=source,
     )
+
+
+def _decode_only(directory: Path) -> Callable[[list[int]], str] | None:
+    """Ids -> text with a directory's ``tokenizer.json`` (None without one)."""
+    if not (directory / "tokenizer.json").is_file():
+        return None
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return lambda ids: backend.decode(ids, skip_special_tokens=False)
+
+
+def _family_tokenizer(source: Path) -> tuple[str | None, Any]:
+    """(chat format, its tokenizer) of a model directory, or (None, None) when no format is
+    recorded or found."""
+    try:
+        chat_format = detect_chat_format(source)
+    except ValueError:
+        return None, None
+    return chat_format, load_chat_tokenizer(source, chat_format)
 
 
 def _is_hf(path: Path) -> bool:

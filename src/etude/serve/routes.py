@@ -101,16 +101,17 @@ def routes(state: ServeApp) -> list[tuple[str, Handler, list[str]]]:
 
         key = state.authorize(request)
         body = await state.read_body(request)
-        if state.served.tokenizer is None:
+        if state.served.chat_format is None:
             raise BadRequest(
-                "this model has no etude tokenizer and chat template: use /v1/completions with "
-                "token ids"
+                "this model has no chat format etude speaks (no tokenizer with a known chat "
+                "template): use /v1/completions with token ids"
             )
         if body.get("stream"):
             raise BadRequest("stream is not supported on /v1/chat/completions; use /v1/completions")
-        tok = state.served.tokenizer
-        prompt_ids = render_chat(tok, body.get("messages"), body.get("tools"))
-        params = state.sampling_params(body, len(prompt_ids), extra_stop_ids=(tok.im_end_id,))
+        served = state.served
+        fmt = served.chat_format
+        prompt_ids = render_chat(served.tokenizer, body.get("messages"), body.get("tools"), fmt)
+        params = state.sampling_params(body, len(prompt_ids), extra_stop_ids=served.stop_token_ids)
         tier = state.tier_of(body)
         request_id = new_request_id("chatcmpl")
         started = time.perf_counter()
@@ -127,7 +128,8 @@ def routes(state: ServeApp) -> list[tuple[str, Handler, list[str]]]:
             prompt=len(prompt_ids), completion=len(gen.token_ids),
         )  # fmt: skip
         state.metrics.latency.labels(tier.name).observe(time.perf_counter() - started)
-        content, tool_calls = parse_reply(state.decode, tok.im_end_id, gen.token_ids)
+        end_id = served.stop_token_ids[0]
+        content, tool_calls = parse_reply(state.decode, end_id, gen.token_ids, fmt)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
