@@ -104,13 +104,14 @@ def _rank() -> int:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter and buffer as a full CPU tensor (gathers DTensors: collective). On CPU an
-    unsharded model's tensors share storage with its parameters: clone to keep a snapshot."""
+    """Every parameter and buffer as a full CPU tensor on every rank (gathers DTensors:
+    collective; each rank's engine needs the whole state). On CPU an unsharded model's tensors
+    share storage with its parameters: clone to keep a snapshot."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    # not cpu_offload: with it only rank 0 receives the state, and the other ranks' engines
+    # would get an empty dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {name: value.detach().cpu() for name, value in state.items()}
 
 
