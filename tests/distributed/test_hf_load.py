@@ -90,3 +90,27 @@ def test_world_2_sharded_load_gives_single_process_logits(checkpoint):
 @pytest.mark.slow
 def test_world_4_sharded_load_gives_single_process_logits(checkpoint):
     check(checkpoint, 4, LAYOUTS_4)
+
+
+def policy_logits(hf_dir: str) -> torch.Tensor:
+    """The RL trainer's ``init = "hf:PATH"`` under torchrun: the policy built on meta, wrapped
+    by the trainer's FSDP2 sharding, then filled shard by shard."""
+    from torch.distributed.tensor import DTensor
+
+    from etude.parallel.checkpoint import load_hf_policy
+    from etude.rl.trainer import shard_policy
+
+    model, _, _ = load_hf_policy(hf_dir, shard=shard_policy)
+    local = sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))
+    assert local < sum(p.numel() for p in model.parameters())  # shards, not the model
+    with torch.no_grad():
+        return model.eval()(tokens())
+
+
+def test_trainer_hf_init_loads_into_shards(checkpoint):
+    from etude.model.tokenizer import Tokenizer
+
+    path, want = checkpoint
+    Tokenizer.train(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300).save(path)
+    for rank, got in enumerate(run_distributed(policy_logits, 2, path, timeout_s=300)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"rank {rank}")

@@ -63,21 +63,40 @@ def overrides(run_dir: Path) -> list[str]:
     ]
 
 
-def train_job(run_dir: str) -> int:
+def train_job(run_dir: str, init: str = "") -> int:
     from etude.rl.trainer import TrainRecipe, run_train
 
-    recipe = load_config(TrainRecipe, ROOT / "configs" / "rl-tiny.toml", overrides(Path(run_dir)))
+    extra = [f"train.init='{init}'"] if init else []
+    recipe = load_config(
+        TrainRecipe, ROOT / "configs" / "rl-tiny.toml", overrides(Path(run_dir)) + extra
+    )
     run_train(recipe)
     return dist.get_world_size()
 
 
-def test_two_ranks_match_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("init", ["fresh", "hf"])
+def test_two_ranks_match_one_process(tmp_path: Path, init: str) -> None:
+    """``hf``: the policy starts from a Hugging Face directory, which two ranks load straight
+    into their FSDP2 shards (``load_hf_policy(shard=...)``) and one process loads whole."""
     tok = Tokenizer.train(default_corpus(200_000), 512)
     runs = {n: tmp_path / f"world{n}" for n in (1, 2)}
     for run in runs.values():
         tok.save(run / "tokenizer")
-    assert run_distributed(train_job, 1, str(runs[1]), timeout_s=900) == [1]
-    assert run_distributed(train_job, 2, str(runs[2]), timeout_s=900) == [2, 2]
+    init_arg = ""
+    if init == "hf":
+        from etude.config import load_config as load
+        from etude.model.transformer import build_model
+        from etude.parallel.checkpoint import export_hf
+        from etude.rl.trainer import TrainRecipe
+        from etude.runtime import resolve_model_config
+
+        recipe = load(TrainRecipe, ROOT / "configs" / "rl-tiny.toml", overrides(tmp_path))
+        model = build_model(resolve_model_config(recipe.model), seed=3)
+        export_hf(model, tmp_path / "hf")
+        tok.save(tmp_path / "hf")
+        init_arg = f"hf:{tmp_path / 'hf'}"
+    assert run_distributed(train_job, 1, str(runs[1]), init_arg, timeout_s=900) == [1]
+    assert run_distributed(train_job, 2, str(runs[2]), init_arg, timeout_s=900) == [2, 2]
     one = {m["step"]: m for m in read_metrics(runs[1])}
     two = {m["step"]: m for m in read_metrics(runs[2])}
     assert sorted(one) == sorted(two) == [1, 2]

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -567,12 +568,30 @@ def check_hf_init(init: str) -> None:
 
 
 def load_hf_policy(
-    hf_dir: str | Path, *, device: torch.device | str = "cpu"
+    hf_dir: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, Any, Any]:
     """(model, tokenizer, `ModelConfig`) for ``init = "hf:PATH"``: `load_hf_model` on
-    ``device`` and the directory's tokenizer (``etude.model.hf_tokenizer``)."""
+    ``device`` and the directory's tokenizer (``etude.model.hf_tokenizer``).
+
+    With ``shard`` (under ``torchrun``: the trainer's FSDP2 wrapping), the model is built on the
+    meta device, ``shard`` wraps it, and `load_hf_checkpoint` fills each rank's own shards: no
+    rank holds the whole policy while it loads.
+    """
     from etude.model.hf_tokenizer import load_hf_tokenizer
 
     tok = load_hf_tokenizer(hf_dir)
-    model, cfg, _ = load_hf_model(hf_dir, device=device)
+    if shard is None:
+        model, cfg, _ = load_hf_model(hf_dir, device=device)
+        return model, tok, cfg
+    from etude.model.hf_config import model_config_from_hf
+    from etude.model.transformer import Transformer
+
+    cfg, _ = model_config_from_hf(read_hf_config(hf_dir))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shard(model)
+    load_hf_checkpoint(model, hf_dir, device=device)
     return model, tok, cfg

@@ -827,9 +827,24 @@ class RLRun:
         if world_size > 1:
             dist.barrier()
 
-        self.model, self.tok, self.mcfg = load_policy(
-            tc.init, cfg.model, run_dir, device=self.device, seed=tc.seed
-        )
+        # under torchrun an hf: init loads straight into each rank's FSDP2 shards; the engine
+        # below still needs the full weights (every rank generates with a plain module)
+        sharded_init = world_size > 1 and tc.init.startswith("hf:")
+        if sharded_init:
+            from etude.parallel.checkpoint import load_hf_model, load_hf_policy
+
+            self.model, self.tok, self.mcfg = load_hf_policy(
+                tc.init[3:], device=self.device, shard=shard_policy
+            )
+            if self.tok.vocab_size > self.mcfg.vocab_size:
+                raise ValueError(
+                    f"train.init={tc.init!r}: the tokenizer has {self.tok.vocab_size} ids but "
+                    f"the model {self.mcfg.vocab_size}; use the checkpoint's own tokenizer"
+                )
+        else:
+            self.model, self.tok, self.mcfg = load_policy(
+                tc.init, cfg.model, run_dir, device=self.device, seed=tc.seed
+            )
         if cfg.env.max_tokens > self.mcfg.max_seq_len:
             raise ValueError(
                 f"env.max_tokens={cfg.env.max_tokens} exceeds model.max_seq_len="
@@ -847,12 +862,15 @@ class RLRun:
         # plain full-weight modules for generation, teacher and reference (see the docstring)
         model = self.model
         separate = separate_engine_needed(cfg.rollout, world_size)
-        self.engine_model = copy.deepcopy(model) if separate else model
+        if sharded_init:  # the policy is sharded already: the engine's weights from the files
+            self.engine_model = load_hf_model(tc.init[3:], device=self.device)[0]
+        else:
+            self.engine_model = copy.deepcopy(model) if separate else model
         self.teacher = TeacherWeights(cfg.teacher, self.engine_model)
         self.reference = None
         if cfg.rl.ref_kl_coef > 0:
             self.reference = copy.deepcopy(self.engine_model).requires_grad_(False).eval()
-        if world_size > 1:
+        if world_size > 1 and not sharded_init:
             shard_policy(model)
         self.optimizer = build_optimizer(model, cfg.optim)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
