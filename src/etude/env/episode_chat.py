@@ -80,7 +80,8 @@ def _parse_with_ids(chat_format: str, text: str) -> tuple[list[ParsedCall], list
     for found in TOOL_CALL_PARSERS[chat_format](text):
         if isinstance(found, FamilyCall):
             call = ToolCall(name=found.name, arguments=found.arguments)
-            out.append(ParsedCall(call=call, error=None, raw=text))
+            # the family parsers keep no text of a well-formed call: its id stands for it
+            out.append(ParsedCall(call=call, error=None, raw=found.call_id or found.name))
             ids.append(found.call_id)
         else:
             error = ToolError(kind="malformed_json", message=found.message, tool=found.name)
@@ -128,7 +129,6 @@ class EpisodeChat:
                 f"{chat_format}, whose template declares tools as JSON schemas: set "
                 "env.tool_declarations = 'json'"
             )
-        self._system_span = Span(0, 0)
         if chat_format == "etude":
             self.conversation: Any = Conversation(tokenizer)
             text = system_prompt(tools, preamble=instructions, declarations=declarations)
