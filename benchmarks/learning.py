@@ -72,10 +72,24 @@ def main() -> None:
     ap.add_argument("--eval-group-size", type=int, default=0, help="0: the recipe's")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "learning.svg"))
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted overrides of the demo recipe (e.g. rl.train.steps=4), as `etude demo` takes",
+    )
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        default=["feedback", "rl"],
+        choices=["feedback", "rl"],
+        help="which arms to run (the JSON's comparison keys need both)",
+    )
     args = ap.parse_args()
 
     run = Path(args.run_dir)
-    recipe = load_demo_recipe(args.recipe, [f'demo.run_dir="{run}"'])
+    recipe = load_demo_recipe(args.recipe, [f'demo.run_dir="{run}"', *args.set])
     sft, rl = stage_recipes(recipe)
     recipe_steps = rl.train.steps
     steps = args.steps or recipe_steps

@@ -363,7 +363,8 @@ def test_trainer_step_zeroes_flagged_rewards_and_their_advantages(oracle_runs):
     The group holds the clean oracle and the two hacking ones (all three solved the task):
     only the clean one keeps its reward and gets a positive advantage.
     """
-    from etude.rl.trainer import RLConfig, trajectory_advantages
+    from etude.rl.recipe import RLConfig
+    from etude.rl.update import trajectory_advantages
 
     task, canaries, runs = oracle_runs
     trajs = [

@@ -14,14 +14,14 @@ from etude.env.trajectory import Trajectory, Turn, read_jsonl, write_jsonl
 from etude.model.config import ModelConfig
 from etude.model.tokenizer import Tokenizer, default_corpus
 from etude.model.transformer import build_model
+from etude.rl.recipe import RLConfig
 from etude.rl.rollout import RolloutConfig, collect_rollouts, sampling_seed
+from etude.rl.task_draw import sample_tasks
 from etude.rl.teacher import TeacherConfig
-from etude.rl.trainer import (
-    RLConfig,
+from etude.rl.update import (
     StepSums,
     collate,
     minibatch_loss,
-    sample_tasks,
     token_logprobs,
     trajectory_advantages,
     trajectory_row,

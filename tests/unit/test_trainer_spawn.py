@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from etude.rl.trainer import (
+from etude.rl.recipe import TasksConfig
+from etude.rl.task_draw import (
     LazyTaskFactory,
-    TasksConfig,
     broadcast_task_records,
     curriculum_metrics,
     sample_tasks,

@@ -23,6 +23,7 @@ from etude.monitor.hook import MonitorConfig
 from etude.optim import OptimConfig, build_optimizer
 from etude.report.viewer import turn_kl
 from etude.rl.losses import ppo_clip_loss
+from etude.rl.recipe import RLConfig, TrainRecipe
 from etude.rl.rollout import RolloutConfig
 from etude.rl.teacher import (
     TeacherConfig,
@@ -31,13 +32,11 @@ from etude.rl.teacher import (
     feedback_kl_loss,
     teacher_logits,
 )
-from etude.rl.trainer import (
-    RLConfig,
+from etude.rl.trainer import score_trajectories
+from etude.rl.update import (
     StepBatch,
     StepSums,
-    TrainRecipe,
     minibatch_loss,
-    score_trajectories,
     trajectory_advantages,
     trajectory_row,
     update_policy,
