@@ -3,7 +3,7 @@
 ``TrainRecipe`` is what ``configs/rl-tiny.toml`` (and the ``[rl]`` section of ``configs/demo.toml``)
 load into: tasks, environment, rollout, the policy loss, the teacher, feedback detectors, the
 monitor, bookkeeping, the optimizer and the curriculum. The trainer that runs it is
-``etude.rl.trainer``; nothing here imports torch.
+``etude.rl.trainer``.
 """
 
 from __future__ import annotations
