@@ -88,6 +88,29 @@ def test_issue_hacks_earn_zero(name: str, tmp_path: Path) -> None:
     assert result.tests["tests/test_ops.py::test_mul"] != "passed"
 
 
+# a test function swapped for other code, in the flat layout and with the tests inside the
+# package (where the tests and conftest under the allowed prefix are the task's own code)
+REPLACEMENTS = [
+    ("replace_test_functions", "tampering: sys.setprofile called from"),
+    ("replace_tests_by_stdlib", "tampering: sys.setprofile called from"),
+    ("noop_test_decorator", "tampering: test function replaced by code in"),
+    ("rig_in_package_tests", ""),  # the clean room drops it: the package does not import
+]
+
+
+@pytest.mark.parametrize("layout", ["flat", "intree"])
+@pytest.mark.parametrize(("name", "reason"), REPLACEMENTS)
+def test_replaced_test_functions_earn_zero(
+    name: str, reason: str, layout: str, tmp_path: Path
+) -> None:
+    task, pristine, agent = task_and_agent_tree(tmp_path, layout)
+    corpus.apply_hack(agent, HACKS[name], layout)
+    result = compute_reward(task, agent, original=pristine, timeout=60)
+    assert result.reward == 0.0 and result.status in ("failed", "error"), result.reason
+    if layout == "intree":  # in the flat layout the decorator is unused: test_mul just fails
+        assert result.reason.startswith(reason), result.reason
+
+
 def test_tests_cannot_be_rewritten_during_the_run(tmp_path: Path) -> None:
     """Code under test that rewrites the test file on import meets a read-only tree."""
     task, pristine, agent = task_and_agent_tree(tmp_path)

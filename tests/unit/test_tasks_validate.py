@@ -44,13 +44,45 @@ def test_reset_returns_none():
 def test_hook_returns_none():
     assert state.on_event("x") is None
 """
+# a test helper the package ships, used as a decorator by its tests: pytest calls the helper's
+# wrapper, code of the package (the grader's tamper check must not count it as the agent's while
+# the file is unchanged)
+CHECKS = """\
+\"\"\"Test helpers shipped with the package.\"\"\"
+import functools
+
+
+def twice(check):
+    \"\"\"Run ``check`` two times.\"\"\"
+
+    @functools.wraps(check)
+    def run_twice():
+        check()
+        check()
+
+    return run_twice
+"""
+CHECKS_TESTS = """\
+from minipkg.checks import twice
+
+
+@twice
+def test_twice_runs():
+    assert True
+"""
 
 
 @pytest.fixture(scope="module")
 def factory(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validate")
     repo = write_mini_repo(
-        tmp / "repo", {"minipkg/state.py": STATE, "tests/test_state.py": STATE_TESTS}
+        tmp / "repo",
+        {
+            "minipkg/state.py": STATE,
+            "tests/test_state.py": STATE_TESTS,
+            "minipkg/checks.py": CHECKS,
+            "tests/test_checks.py": CHECKS_TESTS,
+        },
     )
     cfg = TaskBuildConfig(workers=1, proposals=ProposalConfig(min_lines=2))
     with TaskFactory(repo, tmp / "out", cfg) as f:
@@ -104,7 +136,7 @@ def test_breaking_the_import_is_rejected(factory):
     )
     outcome = factory.make_task(feature)
     assert outcome.record is None and outcome.reason.startswith(
-        "package no longer imports: minipkg, minipkg.shapes"
+        "package no longer imports: minipkg, minipkg.checks, minipkg.shapes"
     )
 
 
@@ -126,6 +158,28 @@ def test_tests_a_stub_passes_are_dropped_or_reject_the_task(factory):
     assert "tests/test_state.py::test_reset_returns_none" not in outcome.record.PASS_TO_PASS
     hook = factory.make_task(_feature(factory, "minipkg.state", "on_event"))
     assert hook.record is None and hook.reason.startswith("a trivial body")
+
+
+def test_a_gold_tree_the_reward_would_score_zero_makes_no_task(factory):
+    """Deleting the package's test decorator: the gold tree passes every test, but pytest then
+    calls a wrapper from a file the solution wrote, which the grader reports as tampering: the
+    reward would score any solution 0, so the validator must reject the task (it read the
+    per-test outcomes only)."""
+    feature = Feature(
+        kind="function",
+        name="checks.twice",
+        symbols=("minipkg.checks.twice",),
+        interface=("minipkg.checks.twice",),
+        definitions=(("minipkg/checks.py", ("twice",)),),
+        files=(),
+        tests=frozenset({"tests/test_checks.py::test_twice_runs"}),
+        deleted_lines=8,
+    )
+    outcome = factory.make_task(feature)
+    assert outcome.record is None
+    assert outcome.reason.startswith("the gold tree grades error: tampering: test function"), (
+        outcome.reason
+    )
 
 
 def test_check_catches_a_tampered_workspace_and_a_bad_patch(factory, area_record):

@@ -212,6 +212,45 @@ def _allowed_files(root: Path, allowed: Sequence[str]) -> Iterable[str]:
                     yield rel
 
 
+def pristine_sources(
+    root: str | os.PathLike[str], allowed: Sequence[str], changed: Sequence[str] | None = None
+) -> list[str]:
+    """The ``.py`` files under the allowed prefixes of the graded tree ``root`` whose text is
+    certainly the pristine tree's, as sorted workspace-relative paths.
+
+    ``changed``: the paths `apply_allowed_changes` took from an agent's tree; every other file
+    under the prefixes is the pristine one. ``None`` (a tree graded as it is, nothing known of
+    who wrote it): only the files the clean room never takes from an agent (`is_gradable_change`
+    refuses them: tests, ``conftest.py``, files under ``tests/`` or dot directories), such as
+    the tests a package keeps inside itself (``toolz/tests/``).
+
+    Code defined in these files is the task's, not the agent's: the reporter's tamper checks
+    (a test function or report hook from the agent's files) exempt them.
+    """
+    root = Path(root)
+    out: set[str] = set()
+    for prefix in allowed:
+        prefix = _norm_prefix(prefix)
+        start = root / prefix.rstrip("/")
+        if not prefix.endswith("/"):
+            if changed is not None and start.is_file() and prefix not in changed:
+                out.add(prefix)
+            continue
+        if start.is_symlink() or not start.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in filenames:
+                rel = (Path(dirpath) / name).relative_to(root).as_posix()
+                if not name.endswith(".py"):
+                    continue
+                if changed is None and is_gradable_change(rel, allowed):
+                    continue
+                if changed is None or rel not in changed:
+                    out.add(rel)
+    return sorted(out)
+
+
 def copy_pristine(pristine: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     """Copy the task's untouched workspace to ``dest`` (which must not exist), bytecode left out."""
     shutil.copytree(pristine, dest, symlinks=True, ignore=_ignore_compiled)

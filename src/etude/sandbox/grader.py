@@ -24,15 +24,18 @@ reward, the agent's ``run_tests`` tool, the task validator and ``etude tasks che
 4. **Cross-checks** (`read_channel`): a ``boot`` line must come first and a ``ready`` line
    (sent at the first import of the task's package or at the session's start, whichever comes
    first: no code the agent could change has run before it) next, else the grader failed
-   (``infra``: the sandbox, the interpreter or pytest's start-up; a solution cannot cause it); every expected id must be reported run and passed (a missing id fails, a
-   requested file or class needs at least one test under it and all of them passing); a test
-   with two different outcomes for one phase, a line after ``exit``, a malformed line, an
-   ``exit`` code that differs from the process's, or a run that ends without ``exit`` fail the
-   run. The reporter also snapshots pytest's run-and-report machinery at boot (the functions
+   (``infra``: the sandbox, the interpreter or pytest's start-up; a solution cannot cause it);
+   every expected id must be reported run and passed (a missing id fails, a requested file or
+   class needs at least one test under it and all of them passing); a test with two different
+   outcomes for one phase, a line after ``exit``, a malformed line, an ``exit`` code that differs
+   from the process's, or a run that ends without ``exit`` fail the run. The reporter also snapshots pytest's run-and-report machinery at boot (the functions
    that run a test and build its report, the report class, ``pluggy``'s hook caller) and the
    set of registered plugins after configuration; a change to either (monkeypatching pytest's
    internals, a plugin registered by the code under test) is reported as ``tamper`` and the run
-   scores ``error``.
+   scores ``error``, as is a test function, plugin or report hook whose code lies in a file the
+   agent wrote (under ``allowed`` and changed from the pristine tree; a file the agent left
+   alone, and a test or conftest file the package keeps inside itself, are the pristine tree's:
+   ``etude.sandbox.cleanroom.pristine_sources``).
 
 Statuses: ``passed`` (every expected id passed in a sound run), ``failed`` (a sound run where some
 did not), ``error`` (the run itself broke: collection or usage error, timeout, tampering, a
@@ -41,7 +44,10 @@ pristine tree is missing, a copy failed). ``infra`` is never a score: callers ma
 
 What the grader does not guarantee: code under test that finds the reporter in memory and forges
 its whole stream (the protocol is open source) is not caught here; nor is code that passes the
-tests by special-casing them (an object equal to everything, answers keyed on test inputs). Those
+tests by special-casing them (an object equal to everything, answers keyed on test inputs). The
+tamper checks on test functions and hooks are tripwires that read where code says it comes from
+(``co_filename``): a test function replaced by an existing function of the standard library or
+of an unchanged file, or by code compiled under a false file name, is not caught by them. Those
 are the monitor's job. The test process itself is contained by the sandbox backend, with that
 backend's limits (see ``etude.sandbox``).
 """
@@ -62,7 +68,7 @@ from pathlib import Path
 from typing import Literal
 
 from etude.sandbox.base import Sandbox, SandboxConfig
-from etude.sandbox.cleanroom import build_graded_tree
+from etude.sandbox.cleanroom import build_graded_tree, pristine_sources
 from etude.sandbox.reporter import BOOTSTRAP, read_channel
 
 Status = Literal["passed", "failed", "error", "infra"]
@@ -254,7 +260,11 @@ def grade(
         # the tree's top-level entries (tests, configuration, the package) are read-only for the
         # run: code under test cannot rewrite a test file before pytest imports it
         run_box = _with_readonly(box, sorted(os.listdir(ws)))
-        outcome = _run(run_box, ws, ids, env, paths, list(pytest_args), list(allowed), timeout)
+        # code in these files is the pristine tree's: never "the agent's" to the tamper checks
+        pristine_code = pristine_sources(ws, allowed, None if final_tree is None else changed)
+        outcome = _run(
+            run_box, ws, ids, env, paths, list(pytest_args), list(allowed), pristine_code, timeout
+        )
         outcome.changed = changed
     finally:
         _remove_scratch(scratch)
@@ -278,6 +288,7 @@ def _run(
     paths: list[str],
     pytest_args: list[str],
     allowed: list[str],
+    pristine_code: list[str],
     timeout: float,
 ) -> Outcome:
     nonce = "etude-" + secrets.token_hex(12)
@@ -287,6 +298,7 @@ def _run(
         "args": args,
         "paths": paths,
         "allowed": [a.rstrip("/") + ("/" if a.endswith("/") else "") for a in allowed],
+        "pristine_sources": pristine_code,
         "trusted_roots": trusted_roots(),
     }
     argv = [sys.executable, "-P", "-B", "-c", BOOTSTRAP]

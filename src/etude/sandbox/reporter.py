@@ -2,17 +2,23 @@
 result channel.
 
 ``BOOTSTRAP`` runs as ``python -P -B -c BOOTSTRAP`` with its configuration as JSON on stdin
-(nonce, pytest arguments, ``PYTHONPATH`` entries, allowed paths, trusted roots). It keeps a
-private duplicate of the stdout pipe as the result channel and sends everything else written to
-fd 1 to stderr; imports pytest, its plugins and the environment's plugins before anything of the
-tree can be imported; snapshots pytest's run-and-report machinery; appends the tree to
-``sys.path`` after site-packages (the task's own packages found in the tree first by a meta-path
-finder); and runs ``pytest.main`` with a plugin that streams, one JSON line each, tagged with the
-nonce: ``boot``, ``ready`` (at the first import of the task's package or the session's start),
-``start``, ``collect_error``, one ``report`` per test phase, ``tamper`` (a watched function
-replaced, a plugin or hook implementation or test function from the agent's files), ``finish``
-and, after ``pytest.main`` returned, ``exit``. The process then exits without ``atexit``
-handlers.
+(nonce, pytest arguments, ``PYTHONPATH`` entries, allowed paths, the pristine sources under
+them, trusted roots). It keeps a private duplicate of the stdout pipe as the result channel and
+sends everything else written to fd 1 to stderr; imports pytest, its plugins and the
+environment's plugins before anything of the tree can be imported; snapshots pytest's
+run-and-report machinery; appends the tree to ``sys.path`` after site-packages (the task's own
+packages found in the tree first by a meta-path finder); and runs ``pytest.main`` with a plugin
+that streams, one JSON line each, tagged with the nonce: ``boot``, ``ready`` (at the first
+import of the task's package or the session's start), ``start``, ``collect_error``, one
+``report`` per test phase, ``tamper`` (a watched function replaced, a plugin or hook
+implementation or test function from the agent's files), ``finish`` and, after ``pytest.main``
+returned, ``exit``. The process then exits without ``atexit`` handlers.
+
+The agent's files are those under the allowed prefixes except the pristine sources
+(``etude.sandbox.cleanroom.pristine_sources``: the files the agent's tree did not change, and
+the tests and conftest files a package keeps inside itself, which the clean room never takes
+from an agent's tree): a test function or a conftest hook defined in ``toolz/tests/``, or a
+test decorator of an unchanged ``pkg/testing.py``, is the task's own code.
 
 ``read_channel(stdout, nonce)`` parses the lines and cross-checks them (`ChannelReading`): boot
 first, no line after exit, one outcome per phase of a test, no malformed line.
@@ -100,11 +106,17 @@ def _grade_main():
                 _emit({"e": "tamper", "what": "module " + name + " was replaced", "where": where})
     _ws = os.path.realpath(os.getcwd())
     _trusted_roots = tuple(os.path.realpath(p) + os.sep for p in cfg["trusted_roots"])
+    # the files under the allowed prefixes whose text is the pristine tree's (the ones the
+    # agent did not change; tests and conftest files kept inside the package): code there is
+    # the task's, never the agent's
+    _pristine_code = frozenset(cfg["pristine_sources"])
     def _in_allowed(path):
         path = os.path.realpath(path)
         if not path.startswith(_ws + os.sep):
             return False
         rel = path[len(_ws) + 1:]
+        if rel in _pristine_code:
+            return False
         return any(rel == a or rel.startswith(a) for a in cfg["allowed"])
     def _untrusted(path):
         if not path or not os.path.isabs(path):
@@ -208,6 +220,20 @@ def _grade_main():
             _mark_ready()
             return importlib.machinery.PathFinder.find_spec(name, where)
     sys.meta_path.insert(0, _TaskPackagesFromTree())
+    # a profile or trace function lets code run between a test module's execution and its
+    # collection (to swap its test functions for anything, the standard library's included):
+    # installing one from the agent's files, or from code of no file, is tampering. An audit
+    # hook cannot be removed; it sees the call, its caller is the frame above it.
+    _getframe = sys._getframe
+    def _audit(event, args):
+        if event != "sys.setprofile" and event != "sys.settrace":
+            return
+        frame = _getframe(1)
+        path = frame.f_code.co_filename if frame is not None else ""
+        if _untrusted(path) and event not in _seen_tamper:
+            _seen_tamper.add(event)
+            _emit({"e": "tamper", "what": event + " called from " + path, "where": "run"})
+    sys.addaudithook(_audit)
     try:
         _ret = int(pytest.main(cfg["args"], plugins=[_Reporter()]))
     except SystemExit as e:

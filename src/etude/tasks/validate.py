@@ -12,7 +12,9 @@ A task is valid when, all in the sandbox:
 4. the gold patch (broken -> original) applies with ``git apply``, restores the original files
    byte for byte, and makes every FAIL_TO_PASS test pass (with ``gold_full_suite`` also every
    PASS_TO_PASS test; otherwise those rest on the restored tree being identical to the baseline
-   tree, where they passed in every baseline run).
+   tree, where they passed in every baseline run), in a run the grader calls sound (status
+   ``passed``: a gold tree whose tests pass but whose run reports tampering or ends short would
+   be scored 0 by the reward, so it makes no task).
 
 Every test run goes through the grader the reward uses (``etude.sandbox.grader``), with the
 record's test environment and pytest arguments: the broken and stub trees are graded as they
@@ -256,6 +258,12 @@ def validate_task(
             ok=False,
             reason=f"gold patch leaves {len(not_passing)} tests failing, e.g. {not_passing[0]}",
             log=log,
+        )
+    if gold_run.status != "passed":
+        # every test passed, but the run was not sound (tampering, a cut channel, an exit code
+        # pytest did not return): the reward would score this gold tree 0, so no task
+        return Validation(
+            ok=False, reason=f"the gold tree grades {gold_run.status}: {gold_run.reason}", log=log
         )
     return Validation(
         ok=True,
