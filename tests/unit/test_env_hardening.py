@@ -185,3 +185,63 @@ def test_copies_of_the_package_in_the_sandbox_view_are_found_and_masked(tmp_path
     box = make_sandbox("bwrap", masked)
     seen = box.run(f"cat {vendor}/calc/ops.py; ls {vendor}/calc", str(agent))
     assert "def mul" not in seen.stdout and seen.stdout.strip() == ""
+
+
+@needs_bwrap
+def test_recorded_package_copies_are_masked_without_a_search(tok: Tokenizer, tmp_path: Path):
+    """A record's ``etude.masked_paths`` (found when the task was built) are masked in the
+    episode's sandbox, and the env does not walk the sandbox's view again (seconds per process);
+    it searches only its own ``extra_ro_paths``, which the build did not see."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))
+    import grading_corpus as corpus
+
+    from etude.sandbox import masking
+    from etude.tasks.record import TaskRecord
+
+    _, record = corpus.make_task(tmp_path / "task")
+    vendor = tmp_path / "vendor" / "third_party"
+    corpus.write_files(vendor, {"calc/__init__.py": "", "calc/ops.py": corpus.OPS_GOLD})
+    read = f"cat {vendor}/calc/ops.py; ls {vendor}/calc"
+    shown = SandboxConfig(backend="bwrap", extra_ro_paths=(str(tmp_path / "vendor"),))
+    (tmp_path / "work").mkdir()
+    searches = masking._search.cache_info()
+    for recorded, search in (([str(vendor / "calc")], False), ([], True)):
+        record["etude"]["masked_paths"] = recorded
+        task = TaskRecord.from_dict(record)
+        cfg = EnvConfig(work_dir=str(tmp_path / "work"), mask_package_copies=search, sandbox=shown)
+        with CodingEnv(task, cfg, tokenizer=tok, base_dir=tmp_path / "task") as env:
+            env.reset()
+            seen = env.step(call("bash", command=read))
+            assert "def mul" not in seen.observation, seen.observation
+            assert "No such file or directory" in seen.observation, seen.observation
+    after = masking._search.cache_info()
+    # the one search: the second episode's, of the extra_ro_paths alone (not of /usr)
+    assert after.hits + after.misses == searches.hits + searches.misses + 1
+
+
+@needs_bwrap
+def test_the_agent_cannot_read_packages_its_interpreter_does_not_import(tmp_path: Path) -> None:
+    """The sandbox shows the interpreter, its standard library and the environment's packages:
+    the other package directories the host has under /usr or the base Python (six, jmespath in
+    the base site-packages of a venv; the system Python's dist-packages) are empty there."""
+    from etude.sandbox.masking import foreign_package_dirs
+
+    foreign = foreign_package_dirs()
+    packages = [
+        os.path.join(d, name, "__init__.py")
+        for d in foreign
+        for name in sorted(os.listdir(d))
+        if os.path.isfile(os.path.join(d, name, "__init__.py"))
+    ]
+    if not packages:
+        pytest.skip(f"this host has no package outside the interpreter's sys.path ({foreign})")
+    target = packages[0]
+    assert os.path.getsize(target) >= 0 and os.access(target, os.R_OK)  # the host can read it
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    tools = Toolbox(ws, sandbox=make_sandbox("bwrap", SandboxConfig(backend="bwrap")))
+    directory = os.path.dirname(target)
+    seen = tools.call("bash", {"command": f"cat {target}; ls -A {directory} {foreign[0]} | wc -l"})
+    assert "No such file or directory" in seen.observation
+    imported = tools.call("bash", {"command": "python -c 'import pytest; print(pytest.__file__)'"})
+    assert imported.observation.startswith("exit code: 0")  # the environment's packages show

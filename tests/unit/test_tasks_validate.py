@@ -112,6 +112,8 @@ def test_valid_task_and_its_record(factory, area_record):
         "minipkg.shapes._square",
     ]
     assert "minipkg/__init__.py" in record.patch  # the re-export goes too
+    # copies of the package the sandbox would show, searched once at build time for the env
+    assert record.etude.extra["masked_paths"] == factory.package_copies(record.patch) == []
     ws = resolve_workspace(record, factory.out_dir)
     assert "area" not in (ws / "minipkg" / "__init__.py").read_text()
     assert run_git(["rev-parse", "HEAD"], ws).decode().strip() == record.base_commit

@@ -62,7 +62,7 @@ from etude.env.tools import Toolbox, ToolConfig, tool_schemas
 from etude.env.trajectory import ToolCall, ToolError, Trajectory
 from etude.model.chat import Span
 from etude.sandbox import SandboxConfig, make_sandbox
-from etude.sandbox.masking import find_package_copies, visible_roots
+from etude.sandbox.masking import find_package_copies, foreign_package_dirs, visible_roots
 from etude.tasks.layout import detect_layout
 from etude.tasks.record import TaskRecord, is_archive, resolve_workspace
 
@@ -100,8 +100,9 @@ class EnvConfig:
     tools: ToolConfig = field(default_factory=ToolConfig)
     """Output caps and timeouts of the tools."""
     mask_package_copies: bool = True
-    """Search what the sandbox shows for copies of the task's package and mask them, when the
-    record does not list them (``etude.masked_paths``); the search runs once per process."""
+    """Search what the sandbox shows for copies of the task's package and mask them: the whole
+    view when the record does not list them (``etude.masked_paths``, recorded at build time),
+    else only ``sandbox.extra_ro_paths``; a search runs once per process."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Backend and limits of every command; the task's hidden paths are added per episode."""
 
@@ -394,16 +395,20 @@ class CodingEnv:
 
     def _package_copies(self, sandbox: Any, allowed: Sequence[str]) -> tuple[str, ...]:
         """Host paths holding a copy of the task's package that the sandbox would show: the
-        record's ``etude.masked_paths`` (found when the task was built), else a search
-        (``etude.sandbox.masking``, once per process) when ``env.mask_package_copies``."""
+        record's ``etude.masked_paths`` (found when the task was built) plus a search of this
+        env's ``extra_ro_paths``, which the build did not see; a record without the list (built
+        before it was recorded) gets a search of the whole view (``etude.sandbox.masking``,
+        once per process). Searches run only with ``env.mask_package_copies``."""
         assert self.task.etude is not None and self._original is not None
         recorded = self.task.etude.extra.get("masked_paths")
-        if recorded is not None:
-            return tuple(str(p) for p in recorded)
-        if not self.cfg.mask_package_copies or sandbox.name != "bwrap":
-            return ()
-        roots = visible_roots(self.cfg.sandbox.extra_ro_paths)
-        return tuple(find_package_copies(self._original, allowed, roots))
+        found = [str(p) for p in recorded] if recorded is not None else []
+        if self.cfg.mask_package_copies and sandbox.name == "bwrap":
+            extra = self.cfg.sandbox.extra_ro_paths
+            roots = list(extra) if recorded is not None else visible_roots(extra)
+            if roots:
+                skip = foreign_package_dirs(extra)
+                found += find_package_copies(self._original, allowed, roots, skip)
+        return tuple(dict.fromkeys(found))
 
     def _new_chat(self) -> EpisodeChat:
         return EpisodeChat(

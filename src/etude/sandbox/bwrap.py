@@ -7,7 +7,11 @@ One ``bwrap`` invocation per command builds a new mount, PID, IPC, UTS, cgroup a
   what programs need (loader cache, alternatives, passwd/group, TLS roots), read-only: a copy of
   those world-readable host files, built once per content and bound with one mount;
 - the running interpreter's installation, read-only at its own paths: ``sys.prefix`` (the venv),
-  ``sys.base_prefix`` (its base Python), plus ``extra_ro_paths``;
+  ``sys.base_prefix`` (its base Python), plus ``extra_ro_paths``; of the Python package
+  directories in all that, only those on the interpreter's ``sys.path`` (the environment's
+  packages): an empty read-only mount goes over each other one
+  (``etude.sandbox.masking.foreign_package_dirs``: the base Python's ``site-packages`` under a
+  venv, the system Python's ``dist-packages``, ``/usr/share/python-wheels``);
 - ``/proc`` of the new PID namespace, a minimal ``/dev``, a private ``/tmp`` and ``/dev/shm``
   (size-capped tmpfs);
 - the workspace, read-write, **at its own host path** (not a fixed ``/workspace``), so paths in
@@ -70,6 +74,7 @@ from etude.sandbox.base import (
     sandbox_env,
     shell_argv,
 )
+from etude.sandbox.masking import foreign_package_dirs
 
 MERGED_USR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # What ordinary programs read from /etc: the dynamic loader, Debian alternatives (awk, editor...),
@@ -202,6 +207,15 @@ class BwrapSandbox:
         for path in dict.fromkeys([*prefixes, *cfg.extra_ro_paths]):
             dest = os.path.abspath(path)
             args += self._ro_bind(os.path.realpath(dest), dest)
+        # only the package directories the interpreter imports from: the others (the base
+        # Python's site-packages under a venv, the system Python's dist-packages) are emptied
+        self.foreign_package_dirs = [
+            d
+            for d in foreign_package_dirs(cfg.extra_ro_paths)
+            if any(_is_within(d, r) for r in self._ro_roots)
+        ]
+        for path in self.foreign_package_dirs:
+            args += ["--perms", "0555", "--tmpfs", path, "--remount-ro", path]
         return args
 
     def _trace_cap(self) -> int:

@@ -1,11 +1,18 @@
-"""Find copies of a task's package in what the sandbox shows, so that they can be masked.
+"""Narrow what the sandbox shows of installed Python code, and find copies of a task's package
+in the rest, so that they can be masked.
 
-The sandbox shows the host's ``/usr`` and the interpreter's installation read-only. A copy of a
+The sandbox shows the host's ``/usr`` and the interpreter's installation read-only. Of the Python
+package directories in there (``site-packages``, ``dist-packages``, Debian's
+``/usr/share/python-wheels``) it needs only those the task's interpreter imports from (its
+``sys.path``: the environment's packages); ``foreign_package_dirs`` lists the others (the base
+interpreter's ``site-packages`` under a virtual environment, the system Python's
+``dist-packages``), and the bubblewrap backend mounts an empty directory over each. A copy of a
 task's package anywhere in there (an installed distribution, a vendored folder of another
 package, a stray checkout) holds the code the task deleted: an agent could read it with
 ``bash``, and code under test could import it while graded. ``find_package_copies(pristine,
-allowed, roots)`` walks ``roots`` (default: what the bubblewrap backend binds, `visible_roots`)
-and returns the absolute paths that look like a copy of a package of ``allowed``:
+allowed, roots)`` walks ``roots`` (default: what the bubblewrap backend binds, `visible_roots`;
+the foreign package directories are skipped, masked whole) and returns the absolute paths that
+look like a copy of a package of ``allowed``:
 
 - for a package directory ``pkg/`` (or ``src/pkg/``): a directory named ``pkg`` holding an
   ``__init__.py`` and at least half of the pristine package's module paths (``pkg/a.py``,
@@ -18,13 +25,16 @@ each). The walk reads directory listings only, plus the candidate files of singl
 results are cached per process by package shape and roots (a walk of ``/usr`` takes seconds).
 
 What this does not find: a copy under another name, one inside an archive (a wheel, an egg, a
-zip on ``sys.path``), or one that differs in most of its files; code of the package copied into
-other modules (``etude.tasks.copies`` searches the deleted definitions themselves).
+zip on ``sys.path``; wheels outside `WHEEL_DIRS` stay visible), or one that differs in most of its
+files; code of the package copied into other modules (``etude.tasks.copies`` searches the deleted
+definitions themselves). Nor does narrowing hide anything outside the package directories: the
+rest of ``/usr`` (tools, data, documentation) stays readable.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import sys
 from collections.abc import Sequence
@@ -33,6 +43,43 @@ from pathlib import Path
 MIN_SHARED = 0.5
 """Share of the pristine package's module paths (or lines) a copy must have."""
 SKIP_DIRS = frozenset({"/proc", "/sys", "/dev"})
+# where Python package directories live under a prefix (/usr, /usr/local, an installation)
+PACKAGE_DIR_GLOBS = ("lib*/python*/*-packages", "local/lib*/python*/*-packages")
+WHEEL_DIRS = ("/usr/share/python-wheels",)
+"""Wheels a system Python keeps for new virtual environments (copies of packages, zipped)."""
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def foreign_package_dirs(extra: Sequence[str] = ()) -> list[str]:
+    """Package directories the sandbox would show that the task's interpreter does not import
+    from (sorted real paths): ``site-packages``/``dist-packages`` under ``/usr``, the interpreter's
+    prefixes and their ``local/``, not on ``sys.path`` and holding no entry of it, plus
+    `WHEEL_DIRS`. A directory inside an ``extra`` path (``extra_ro_paths``: shown on purpose) or
+    holding one is left out."""
+    return list(_foreign_package_dirs(tuple(sys.path), tuple(extra)))
+
+
+@functools.lru_cache(maxsize=8)
+def _foreign_package_dirs(path: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+    on_path = {os.path.realpath(p) for p in path if p and os.path.isdir(p)}
+    shown = [os.path.realpath(e) for e in extra]
+    prefixes = ["/usr", sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]
+    candidates = [*WHEEL_DIRS]
+    for prefix in dict.fromkeys(os.path.realpath(p) for p in prefixes):
+        for pattern in PACKAGE_DIR_GLOBS:
+            candidates += glob.glob(os.path.join(glob.escape(prefix), pattern))
+    out = set()
+    for candidate in candidates:
+        real = os.path.realpath(candidate)
+        if not os.path.isdir(real) or any(_is_within(p, real) for p in on_path):
+            continue  # the interpreter imports from it (or from inside it)
+        if any(_is_within(real, e) or _is_within(e, real) for e in shown):
+            continue
+        out.add(real)
+    return tuple(sorted(out))
 
 
 def visible_roots(extra: Sequence[str] = ()) -> list[str]:
@@ -73,9 +120,15 @@ def _module_lines(path: Path) -> frozenset[str]:
 
 
 def find_package_copies(
-    pristine: str | os.PathLike[str], allowed: Sequence[str], roots: Sequence[str] | None = None
+    pristine: str | os.PathLike[str],
+    allowed: Sequence[str],
+    roots: Sequence[str] | None = None,
+    skip: Sequence[str] | None = None,
 ) -> list[str]:
-    """Absolute paths under ``roots`` that hold a copy of a package of ``allowed`` (sorted)."""
+    """Absolute paths under ``roots`` that hold a copy of a package of ``allowed`` (sorted).
+
+    ``skip``: directories not searched, masked as a whole anyway (default:
+    `foreign_package_dirs`)."""
     pristine = Path(pristine)
     packages = []
     modules = []
@@ -93,6 +146,7 @@ def find_package_copies(
             tuple(sorted(packages)),
             tuple(sorted(modules)),
             tuple(roots if roots is not None else visible_roots()),
+            tuple(skip if skip is not None else foreign_package_dirs()),
         )
     )
 
@@ -102,13 +156,15 @@ def _search(
     packages: tuple[tuple[str, frozenset[str]], ...],
     modules: tuple[tuple[str, frozenset[str]], ...],
     roots: tuple[str, ...],
+    skip: tuple[str, ...],
 ) -> tuple[str, ...]:
     names = {name: files for name, files in packages}
+    skipped = SKIP_DIRS | set(skip)
     module_names = {name: lines for name, lines in modules}
     found: list[str] = []
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-            if dirpath in SKIP_DIRS:
+            if dirpath in skipped:
                 dirnames[:] = []
                 continue
             keep = []

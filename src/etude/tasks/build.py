@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from etude.sandbox import SandboxConfig, make_sandbox
+from etude.sandbox.cleanroom import allowed_from_paths
+from etude.sandbox.masking import find_package_copies, foreign_package_dirs, visible_roots
 from etude.tasks.agent_deleter import ChatModel, propose_with_agent
 from etude.tasks.baseline import derived_time_limit
 from etude.tasks.build_config import TaskBuildConfig
@@ -61,6 +63,7 @@ from etude.tasks.delete import (
     Removal,
     apply_removal,
     patch_added_text,
+    patch_paths,
     read_source,
     unified_patch,
     write_source,
@@ -463,6 +466,7 @@ class TaskFactory(VariantMaker):
                 extra["pytest_args"] = list(self.pytest_args)
             if feature.parts:
                 extra["parts"] = list(feature.parts)
+            extra["masked_paths"] = self.package_copies(patch)
             record = TaskRecord(
                 instance_id=instance_id,
                 repo=self.layout.name,
@@ -511,6 +515,16 @@ class TaskFactory(VariantMaker):
             if rel in gone:
                 continue
             yield rel, changed[rel].encode("utf-8") if rel in changed else data
+
+    def package_copies(self, patch: str) -> list[str]:
+        """Host paths the sandbox shows that hold a copy of the package ``patch`` changes,
+        recorded as ``etude.masked_paths`` so that an episode need not search for them
+        (``etude.sandbox.masking``; one walk per process and package shape)."""
+        allowed = allowed_from_paths(patch_paths(patch))
+        extra = self.sandbox.config.extra_ro_paths
+        return find_package_copies(
+            self.pristine, allowed, visible_roots(extra), foreign_package_dirs(extra)
+        )
 
     def environment(self) -> dict[str, Any]:
         """The record's ``environment``: what a harness needs to run the tests."""
