@@ -34,6 +34,10 @@ files only, without following a final symlink and without blocking (a FIFO is re
 byte moves, for writes too); there is no concurrent process that could swap a path between
 check and use, because the sandbox kills every process of a command when the command ends.
 
+The tools' interface (schemas, argument checks, `ToolConfig`, `ToolOutcome`, `ToolFailure`) lives
+in ``etude.env.tool_interface``, the path rules in ``etude.env.workspace_paths``; their public
+names are importable from here too.
+
 What this module does not do: parse tool calls from model text (``etude.env.protocol``), limit
 the episode (``etude.env.coding``), or contain commands itself (``etude.sandbox`` does).
 ``list_files``, ``read_file`` and ``search`` do not follow symlinks to directories while walking;
@@ -42,208 +46,46 @@ the episode (``etude.env.coding``), or contain commands itself (``etude.sandbox`
 
 from __future__ import annotations
 
-import copy
 import errno
 import json
-import math
 import os
 import re
 import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
+from etude.env.tool_interface import (
+    SCHEMA_BY_NAME,
+    TOOL_NAMES,
+    TOOL_SCHEMAS,
+    ToolConfig,
+    ToolFailure,
+    ToolOutcome,
+    check_arguments,
+    json_type_name,
+    tool_schemas,
+)
 from etude.env.trajectory import ToolError
+from etude.env.workspace_paths import WorkspacePaths, regular_file, split_lines
 from etude.sandbox import Sandbox, grade
 from etude.sandbox.cleanroom import read_regular
 from etude.sandbox.grader import grading_sandbox
 
-
-def _function(
-    name: str, description: str, properties: dict[str, Any], required: list[str]
-) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {
-                "type": "object",
-                "properties": properties,
-                "required": required,
-                "additionalProperties": False,
-            },
-        },
-    }
-
-
-_PATH = {"type": "string", "description": "Path relative to the repository root."}
-
-TOOL_SCHEMAS: tuple[dict[str, Any], ...] = (
-    _function(
-        "list_files",
-        "List files and directories under a path (directories end with '/').",
-        {
-            "path": {**_PATH, "description": "Directory relative to the repository root."},
-            "max_depth": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 8,
-                "description": "How many directory levels to descend (default 2).",
-            },
-        },
-        [],
-    ),
-    _function(
-        "read_file",
-        "Read a text file with line numbers, optionally only lines start_line..end_line.",
-        {
-            "path": _PATH,
-            "start_line": {"type": "integer", "minimum": 1, "description": "First line (1-based)."},
-            "end_line": {"type": "integer", "minimum": 1, "description": "Last line (inclusive)."},
-        },
-        ["path"],
-    ),
-    _function(
-        "write_file",
-        "Create or overwrite a file with the given content.",
-        {"path": _PATH, "content": {"type": "string", "description": "The whole new content."}},
-        ["path", "content"],
-    ),
-    _function(
-        "replace_in_file",
-        "Replace the single exact occurrence of `old` in a file by `new`.",
-        {
-            "path": _PATH,
-            "old": {
-                "type": "string",
-                "minLength": 1,
-                "description": "Exact text to replace, whitespace included; must occur exactly once.",
-            },
-            "new": {"type": "string", "description": "Replacement text."},
-        },
-        ["path", "old", "new"],
-    ),
-    _function(
-        "search",
-        "Search text files for a Python regular expression; prints path:line: text.",
-        {
-            "pattern": {
-                "type": "string",
-                "minLength": 1,
-                "description": "Python regex (escape special characters such as ( with \\).",
-            },
-            "path": {**_PATH, "description": "File or directory to search (default: all)."},
-        },
-        ["pattern"],
-    ),
-    _function(
-        "run_tests",
-        "Run pytest on test ids (default: the task's tests) and report which did not pass.",
-        {
-            "tests": {
-                "type": ["array", "null"],
-                "items": {"type": "string", "minLength": 1},
-                "description": "pytest node ids such as tests/test_x.py::test_y, or files.",
-            }
-        },
-        [],
-    ),
-    _function(
-        "bash",
-        "Run a shell command in the repository root (sandboxed, no network, time-limited).",
-        {"command": {"type": "string", "minLength": 1, "description": "The bash command line."}},
-        ["command"],
-    ),
-    _function("submit", "Submit the current state of the repository as your solution.", {}, []),
-)
-TOOL_NAMES: tuple[str, ...] = tuple(t["function"]["name"] for t in TOOL_SCHEMAS)
-_SCHEMA_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
-
-
-def tool_schemas() -> list[dict[str, Any]]:
-    """The tool declarations (a deep copy, safe to change) for ``tools_system_prompt``."""
-    return copy.deepcopy(list(TOOL_SCHEMAS))
-
-
-@dataclass(kw_only=True, slots=True)
-class ToolConfig:
-    """Output caps and time limits of the tools (TOML section ``[env.tools]``)."""
-
-    read_max_lines: int = 250
-    """Most lines one read_file call shows."""
-    read_max_chars: int = 20_000
-    """Most characters of file content one read_file call shows."""
-    read_max_file_bytes: int = 16 << 20
-    """Largest file read_file and replace_in_file open (larger ones: use bash)."""
-    write_max_bytes: int = 1 << 20
-    """Largest content write_file and replace_in_file write."""
-    list_max_entries: int = 200
-    """Most entries one list_files call shows."""
-    search_max_results: int = 50
-    """Most matching lines one search call shows."""
-    search_max_file_bytes: int = 1 << 20
-    """Files larger than this are skipped by search."""
-    line_max_chars: int = 300
-    """A search result line longer than this is cut."""
-    search_timeout_s: float = 20.0
-    """Wall-clock limit of one search (it runs in the sandbox)."""
-    bash_timeout_s: float = 30.0
-    """Wall-clock limit of one bash command."""
-    test_timeout_s: float = 120.0
-    """Wall-clock limit of one run_tests call."""
-    test_output_chars: int = 3000
-    """Characters of pytest's output tail shown when tests did not all pass."""
-    max_observation_chars: int = 12_000
-    """Any observation longer than this keeps its head and tail with a marker between."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "read_max_lines",
-            "read_max_chars",
-            "read_max_file_bytes",
-            "write_max_bytes",
-            "list_max_entries",
-            "search_max_results",
-            "search_max_file_bytes",
-            "line_max_chars",
-            "test_output_chars",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"env.tools.{name}={getattr(self, name)} must be >= 1")
-        for name in ("search_timeout_s", "bash_timeout_s", "test_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"env.tools.{name}={getattr(self, name)} must be > 0 seconds")
-        if self.max_observation_chars < 200:
-            raise ValueError(
-                f"env.tools.max_observation_chars={self.max_observation_chars} is too small to "
-                "hold an error message; use at least 200"
-            )
-
-
-@dataclass(kw_only=True, slots=True)
-class ToolOutcome:
-    """What one tool call gave back."""
-
-    observation: str
-    """The text the model sees (already capped)."""
-    error: ToolError | None = None
-    """Set when the call went wrong (bad arguments, path escape, the tool failed)."""
-    submitted: bool = False
-    """The call was ``submit``: the episode ends."""
-    provenance: dict[str, Any] | None = None
-    """What a ``bash`` command touched (``sandbox.provenance``), as JSON; None when not recorded."""
-
-
-class ToolFailure(Exception):
-    """A tool call that went wrong; ``Toolbox.call`` turns it into an observation and a ToolError."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
+__all__ = [
+    "TOOL_NAMES",
+    "TOOL_SCHEMAS",
+    "ToolConfig",
+    "ToolFailure",
+    "ToolOutcome",
+    "Toolbox",
+    "WorkspacePaths",
+    "cap_text",
+    "check_arguments",
+    "json_type_name",
+    "tool_schemas",
+]
 
 
 def cap_text(text: str, max_chars: int) -> str:
@@ -255,183 +97,6 @@ def cap_text(text: str, max_chars: int) -> str:
     head, tail = text[: room - room // 2], text[len(text) - room // 2 :]
     cut = len(text) - len(head) - len(tail)
     return f"{head}\n[... {cut} characters cut ...]\n{tail}"
-
-
-# ---------------------------------------------------------------- argument checking
-
-
-def json_type_name(value: Any) -> str:
-    """The JSON Schema type name of a decoded JSON value (``integer``, ``array``, ...)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def _fits_type(value: Any, expected: str) -> bool:
-    actual = json_type_name(value)
-    if expected == "integer":
-        # JSON has one number type: 3.0 is an integer value (JSON Schema agrees)
-        return actual == "integer" or (
-            actual == "number" and math.isfinite(value) and value == int(value)
-        )
-    if expected == "number":
-        return actual in ("integer", "number")
-    return actual == expected
-
-
-def _check_value(value: Any, schema: Mapping[str, Any], where: str, problems: list[str]) -> Any:
-    """The value with integral floats made ints; problems appended for what does not fit."""
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else list(types or [])
-    if types and not any(_fits_type(value, t) for t in types):
-        shown = json.dumps(value)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        problems.append(
-            f"{where} must be {' or '.join(types)}, got {json_type_name(value)} {shown}"
-        )
-        return value
-    if json_type_name(value) == "number" and "integer" in types:
-        value = int(value)
-    if isinstance(value, str) and len(value) < schema.get("minLength", 0):
-        problems.append(f"{where} must not be empty")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            problems.append(f"{where} must be >= {schema['minimum']}, got {value}")
-        if "maximum" in schema and value > schema["maximum"]:
-            problems.append(f"{where} must be <= {schema['maximum']}, got {value}")
-    if isinstance(value, list) and "items" in schema:
-        value = [
-            _check_value(item, schema["items"], f"{where}[{i}]", problems)
-            for i, item in enumerate(value)
-        ]
-    return value
-
-
-def check_arguments(name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The arguments checked against tool ``name``'s schema; ``ToolFailure(bad_arguments)`` lists
-    every problem (missing, unexpected, wrongly typed) and quotes the schema."""
-    schema = _SCHEMA_BY_NAME[name]
-    properties = schema["properties"]
-    problems = [
-        f"missing required argument '{k}'" for k in schema["required"] if k not in arguments
-    ]
-    problems += [f"unexpected argument '{k}'" for k in arguments if k not in properties]
-    checked = {
-        key: _check_value(value, properties[key], f"argument '{key}'", problems)
-        for key, value in arguments.items()
-        if key in properties
-    }
-    if problems:
-        raise ToolFailure(
-            "bad_arguments",
-            f"Bad arguments for {name}: {'; '.join(problems)}. "
-            f"Parameters schema: {json.dumps(schema)}",
-        )
-    return checked
-
-
-# ---------------------------------------------------------------- paths
-
-
-def _is_under(rel: str, prefix: str) -> bool:
-    return rel == prefix or rel.startswith(prefix.rstrip("/") + "/")
-
-
-class WorkspacePaths:
-    """Maps the agent's relative paths onto the workspace, refusing escapes and hidden paths."""
-
-    def __init__(self, root: str | os.PathLike[str], hidden_paths: Sequence[str] = ()) -> None:
-        self.root = Path(os.path.realpath(root))
-        self.hidden = tuple(PurePosixPath(p).as_posix() for p in hidden_paths)
-        # hidden entries by identity too, so that a rename (`mv tests tests_moved`) does not
-        # carry them out from under their names
-        self._hidden_inodes: set[tuple[int, int]] = set()
-        for rel in self.hidden:
-            try:
-                st = os.lstat(self.root / rel)
-            except OSError:
-                continue
-            self._hidden_inodes.add((st.st_dev, st.st_ino))
-
-    def is_hidden(self, rel: str) -> bool:
-        if any(_is_under(rel, h) for h in self.hidden):
-            return True
-        if not self._hidden_inodes or rel in ("", "."):
-            return False
-        current = self.root
-        for part in PurePosixPath(rel).parts:
-            current = current / part
-            try:
-                st = os.lstat(current)
-            except OSError:
-                return False
-            if (st.st_dev, st.st_ino) in self._hidden_inodes:
-                return True
-        return False
-
-    def resolve(self, raw: str) -> tuple[Path, str]:
-        """``(resolved absolute path, normalized relative path)`` or ``ToolFailure(path_escape)``."""
-        if "\x00" in raw:
-            raise ToolFailure("tool_failed", f"Path {raw!r} contains a NUL character.")
-        pure = PurePosixPath(raw or ".")
-        if pure.is_absolute():
-            inside = os.path.relpath(os.path.realpath(raw), self.root)
-            hint = f" ('{inside}')" if not inside.startswith("..") else ""
-            raise ToolFailure(
-                "path_escape",
-                f"Path '{raw}' is absolute; use a path relative to the repository root{hint}.",
-            )
-        if ".." in pure.parts:
-            raise ToolFailure(
-                "path_escape",
-                f"Path '{raw}' contains '..'; paths must stay inside the repository root.",
-            )
-        rel = pure.as_posix()
-        real = os.path.realpath(self.root / rel)
-        if real != str(self.root) and not real.startswith(str(self.root) + "/"):
-            raise ToolFailure(
-                "path_escape",
-                f"Path '{raw}' resolves through a symlink to a place outside the repository.",
-            )
-        real_rel = os.path.relpath(real, self.root)
-        if self.is_hidden(rel) or self.is_hidden(real_rel):
-            raise ToolFailure("path_escape", f"Path '{raw}' is hidden in this task.")
-        return Path(real), rel
-
-    def relative(self, path: Path) -> str:
-        return path.relative_to(self.root).as_posix()
-
-
-def _regular_file(path: Path, rel: str) -> os.stat_result:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ToolFailure("tool_failed", f"No such file: '{rel}'.") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ToolFailure("tool_failed", f"'{rel}' is a directory; use list_files on it.")
-    if not stat.S_ISREG(st.st_mode):
-        raise ToolFailure("tool_failed", f"'{rel}' is not a regular file.")
-    return st
-
-
-def _split_lines(text: str) -> list[str]:
-    # "\n" only: str.splitlines also breaks at \f, \x1c, \u2028..., which editors and sed do not
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return lines
 
 
 # ---------------------------------------------------------------- search (runs in the sandbox)
@@ -620,7 +285,7 @@ class Toolbox:
         return False
 
     def _read_text(self, path: Path, rel: str) -> str:
-        st = _regular_file(path, rel)
+        st = regular_file(path, rel)
         if st.st_size > self.cfg.read_max_file_bytes:
             raise ToolFailure(
                 "tool_failed",
@@ -640,7 +305,7 @@ class Toolbox:
         self, path: str, start_line: int | None = None, end_line: int | None = None
     ) -> ToolOutcome:
         real, rel = self.paths.resolve(path)
-        lines = _split_lines(self._read_text(real, rel))
+        lines = split_lines(self._read_text(real, rel))
         total = len(lines)
         if total == 0:
             return ToolOutcome(observation=f"{rel} (empty file)")
@@ -710,7 +375,7 @@ class Toolbox:
         size = self._write(real, rel, content)
         verb = "Overwrote" if existed else "Created"
         return ToolOutcome(
-            observation=f"{verb} {rel} ({size} bytes, {len(_split_lines(content))} lines)."
+            observation=f"{verb} {rel} ({size} bytes, {len(split_lines(content))} lines)."
         )
 
     def replace_in_file(self, path: str, old: str, new: str) -> ToolOutcome:
@@ -757,7 +422,7 @@ class Toolbox:
             raise ToolFailure(
                 "bad_arguments",
                 f"Bad arguments for search: argument 'pattern' is not a valid Python regular "
-                f"expression ({e}). Parameters schema: {json.dumps(_SCHEMA_BY_NAME['search'])}",
+                f"expression ({e}). Parameters schema: {json.dumps(SCHEMA_BY_NAME['search'])}",
             ) from None
         real, rel = self.paths.resolve(path)
         if not real.exists():
@@ -814,7 +479,7 @@ class Toolbox:
                         "bad_arguments",
                         f"Bad arguments for run_tests: '{test_id}' is an option, not a test id; "
                         "give node ids such as tests/test_x.py::test_y. Parameters schema: "
-                        f"{json.dumps(_SCHEMA_BY_NAME['run_tests'])}",
+                        f"{json.dumps(SCHEMA_BY_NAME['run_tests'])}",
                     )
                 self.paths.resolve(test_id.split("::", 1)[0])
                 if test_id not in ids:
