@@ -577,8 +577,13 @@ class CodingEnv:
         return trajectory
 
     def close(self) -> None:
-        """Remove the episode directory (the trajectory stays readable)."""
+        """Remove the episode directory (the trajectory stays readable) and stop the episode's
+        provenance tracer, if its sandbox ran one."""
         episode_dir, self._episode_dir = self._episode_dir, None
+        if self._toolbox is not None:
+            close_sandbox = getattr(self._toolbox.sandbox, "close", None)
+            if close_sandbox is not None:
+                close_sandbox()
         self._toolbox = None
         self._original = None
         if episode_dir is not None:

@@ -341,6 +341,66 @@ def _leader_exited(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
+class Leader(Protocol):
+    """The first process of a command, started in its own session (its pid is the group id)."""
+
+    pid: int
+
+    def exited(self) -> bool:
+        """Whether it has exited; it must stay unreaped (a zombie) until ``reap``."""
+        ...
+
+    def reap(self) -> int:
+        """Wait for it and release it; its exit code (negative: killed by that signal)."""
+        ...
+
+
+Spawner = Callable[[list[str], Path, dict[str, str], tuple[int, int, int], Sequence[int]], Leader]
+"""Starts ``argv`` in ``cwd`` with ``env``, the given stdin/stdout/stderr descriptors and the
+descriptors to pass on, in a new session; raises ``OSError`` when it cannot be started."""
+
+
+class _PopenLeader:
+    __slots__ = ("pid", "proc")
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def exited(self) -> bool:
+        return _leader_exited(self.pid)
+
+    def reap(self) -> int:
+        return self.proc.wait()
+
+
+def popen_spawner(preexec_fn: Callable[[], None] | None = None) -> Spawner:
+    """The default spawner: ``subprocess.Popen`` from this process."""
+
+    def spawn(
+        argv: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        stdio: tuple[int, int, int],
+        pass_fds: Sequence[int],
+    ) -> Leader:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=stdio[0],
+            stdout=stdio[1],
+            stderr=stdio[2],
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
+        )
+        return _PopenLeader(proc)
+
+    return spawn
+
+
 def run_process_tree(
     argv: list[str],
     *,
@@ -351,11 +411,13 @@ def run_process_tree(
     max_output_bytes: int,
     preexec_fn: Callable[[], None] | None = None,
     pass_fds: Sequence[int] = (),
+    spawner: Spawner | None = None,
 ) -> Result:
     """Run ``argv`` in a new session; kill its process group on the deadline and after it exits.
 
     The leader is reaped only at the very end, so every ``killpg`` targets our group: a group id
-    stays allocated while its leader is an unreaped zombie.
+    stays allocated while its leader is an unreaped zombie. ``spawner`` starts the leader
+    (default: ``Popen`` here).
     """
     start = time.monotonic()
     deadline = start + timeout_s
@@ -370,25 +432,21 @@ def run_process_tree(
             duration=time.monotonic() - start,
             truncated=False,
         )
-    stdin_file = None
+    spawn = spawner if spawner is not None else popen_spawner(preexec_fn)
+    out_fd, out_w = os.pipe()
+    err_fd, err_w = os.pipe()
     if stdin is not None:  # a file, not a pipe: no writer thread, no deadlock on large input
-        stdin_file = tempfile.TemporaryFile()
-        stdin_file.write(stdin.encode())
-        stdin_file.seek(0)
+        with tempfile.TemporaryFile() as f:
+            f.write(stdin.encode())
+            f.seek(0)
+            in_fd = os.dup(f.fileno())
+    else:
+        in_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=preexec_fn,
-            close_fds=True,
-            pass_fds=tuple(pass_fds),
-        )
+        leader = spawn(argv, cwd, env, (in_fd, out_w, err_w), pass_fds)
     except OSError as e:  # the program is missing or not executable: report it as a shell would
+        for fd in (out_fd, err_fd):
+            os.close(fd)
         return Result(
             stdout="",
             stderr=f"{argv[0]}: {e.strerror}\n",
@@ -398,23 +456,18 @@ def run_process_tree(
             truncated=False,
         )
     finally:
-        if stdin_file is not None:
-            stdin_file.close()
-    assert proc.stdout is not None and proc.stderr is not None
-    streams = {
-        proc.stdout.fileno(): _CappedStream(max_output_bytes),
-        proc.stderr.fileno(): _CappedStream(max_output_bytes),
-    }
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        for fd in (in_fd, out_w, err_w):
+            os.close(fd)
+    streams = {out_fd: _CappedStream(max_output_bytes), err_fd: _CappedStream(max_output_bytes)}
     sel = selectors.DefaultSelector()
     for fd in streams:
         sel.register(fd, selectors.EVENT_READ)
     # a pidfd turns "the leader exited" into a selectable event (Linux >= 5.3); else poll
-    pidfd = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
+    pidfd = os.pidfd_open(leader.pid) if hasattr(os, "pidfd_open") else None
     if pidfd is not None:
         sel.register(pidfd, selectors.EVENT_READ)
     open_fds = set(streams)
-    exited = timed_out = False
+    exited = timed_out = reaped = False
     drain_until: float | None = None
     try:
         while open_fds or not exited:
@@ -424,7 +477,7 @@ def run_process_tree(
                 if drain_until is not None:
                     break  # a process that escaped the kill still holds a pipe: stop reading
                 timed_out = True
-                _kill_group(proc.pid)
+                _kill_group(leader.pid)
                 drain_until = now + DRAIN_GRACE_S
                 continue
             wait = limit - now if pidfd is not None or exited else min(limit - now, 0.005)
@@ -437,25 +490,26 @@ def run_process_tree(
                 else:
                     sel.unregister(key.fd)
                     open_fds.discard(key.fd)
-            if not exited and _leader_exited(proc.pid):
+            if not exited and leader.exited():
                 exited = True
                 if pidfd is not None:
                     sel.unregister(pidfd)
-                _kill_group(proc.pid)  # orphans left in the group
+                _kill_group(leader.pid)  # orphans left in the group
                 if drain_until is None:
                     drain_until = time.monotonic() + DRAIN_GRACE_S
         if not exited:
-            _kill_group(proc.pid)
-        returncode = proc.wait()
+            _kill_group(leader.pid)
+        returncode = leader.reap()
+        reaped = True
     finally:
-        if proc.returncode is None:
-            _kill_group(proc.pid)
-            proc.wait()
+        if not reaped:
+            _kill_group(leader.pid)
+            leader.reap()
         sel.close()
         if pidfd is not None:
             os.close(pidfd)
-        proc.stdout.close()
-        proc.stderr.close()
+        for fd in streams:
+            os.close(fd)
     out, err = streams[out_fd], streams[err_fd]
     return Result(
         stdout=out.text("stdout"),

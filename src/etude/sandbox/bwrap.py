@@ -62,7 +62,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from etude.sandbox import provenance, seccomp
+from etude.sandbox import seccomp
 from etude.sandbox.base import (
     Result,
     SandboxConfig,
@@ -75,6 +75,7 @@ from etude.sandbox.base import (
     shell_argv,
 )
 from etude.sandbox.masking import foreign_package_dirs
+from etude.sandbox.tracer import EpisodeTracer
 
 MERGED_USR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # What ordinary programs read from /etc: the dynamic loader, Debian alternatives (awk, editor...),
@@ -144,6 +145,8 @@ class BwrapSandbox:
         # (device, inode) of every hidden entry seen, per workspace (to follow renames)
         self._hidden_inodes: dict[str, set[tuple[int, int]]] = {}
         self._static_args = self._build_static_args()
+        # one provenance tracer for this sandbox's life (an episode), started by the first run
+        self._tracer = EpisodeTracer() if self.config.provenance else None
         self.not_isolated = (
             "disk use in the workspace (only each file's size is capped, by max_file_bytes)",
             "memory of the whole process tree (the limit is address space per process)",
@@ -217,10 +220,6 @@ class BwrapSandbox:
         for path in self.foreign_package_dirs:
             args += ["--perms", "0555", "--tmpfs", path, "--remount-ro", path]
         return args
-
-    def _trace_cap(self) -> int:
-        # the command's own prlimit lowers the file-size limit again; it may not raise it
-        return max(provenance.TRACE_MAX_BYTES, self.config.max_file_bytes)
 
     def _runtime_roots(self) -> list[str]:
         """The system and interpreter roots (not ``extra_ro_paths``): provenance counts reads
@@ -300,32 +299,18 @@ class BwrapSandbox:
         return args
 
     def command(
-        self,
-        argv: list[str],
-        ws: Path,
-        uid: int | None,
-        trace_dir: str | None = None,
-        *,
-        seccomp_fd: int | None = None,
+        self, argv: list[str], ws: Path, uid: int | None, *, seccomp_fd: int | None = None
     ) -> list[str]:
         """The full bwrap argv for ``argv`` in workspace ``ws`` (as ``uid`` when given).
 
         ``seccomp_fd``: a descriptor the bwrap process inherits holding ``seccomp.filter_program``
         (io_uring refused); None leaves it out (only for callers that do not run the argv).
-
-        With ``trace_dir`` the tracer (``etude.sandbox.provenance``) starts first, before the
-        privilege drop, and writes its log into that host directory.
         """
         args = [*self._static_args, *self._mkdirs_for(str(ws), set(self._dirs_made))]
         args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws)]
         if seccomp_fd is not None:
             args += ["--seccomp", str(seccomp_fd)]
-        if trace_dir is not None:
-            cap = self._trace_cap()
-            args += ["--bind", trace_dir, provenance.TRACE_DIR, "--"]
-            args += ["prlimit", f"--fsize={cap}:{cap}", "--", *provenance.strace_argv()]
-        else:
-            args.append("--")
+        args.append("--")
         if uid is not None:
             args += [
                 "setpriv",
@@ -337,6 +322,11 @@ class BwrapSandbox:
                 "--",
             ]
         return args + prlimit_argv(self.config, self.config.max_processes) + argv
+
+    def close(self) -> None:
+        """Stop this sandbox's provenance tracer, if one runs (a later command starts another)."""
+        if self._tracer is not None:
+            self._tracer.close()
 
     def run(
         self,
@@ -353,41 +343,43 @@ class BwrapSandbox:
         self._check_workspace(ws)
         timeout_s = resolve_timeout(timeout, self.config)
         run_env = sandbox_env(self.config, env, tmp_dir="/tmp", python_bin=self._python_bin)
-        run = functools.partial(
-            run_process_tree,
-            cwd=ws,
-            env=run_env,
-            stdin=stdin,
-            timeout_s=timeout_s,
-            max_output_bytes=self.config.max_output_bytes,
-        )
-        with contextlib.ExitStack() as stack:
-            filter_fd = seccomp.filter_fd()
-            stack.callback(os.close, filter_fd)
-            run = functools.partial(run, pass_fds=(filter_fd,))
-            trace_dir = None
-            if self.config.provenance:
-                trace_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="etude-trace-"))
-            if not self._as_root:
-                result = run(self.command(argv, ws, None, trace_dir, seccomp_fd=filter_fd))
-            else:
-                with _workspace_lock(ws), _lease_uid(*self.config.uid_range) as uid:
-                    owner = os.stat(ws)
-                    chown_tree(ws, uid, uid)
-                    try:
-                        result = run(self.command(argv, ws, uid, trace_dir, seccomp_fd=filter_fd))
-                    finally:
-                        chown_tree(ws, owner.st_uid, owner.st_gid)
-            if trace_dir is not None:
-                result.provenance = provenance.read_trace(
-                    trace_dir,
+        filter_fd = seccomp.filter_fd()
+        try:
+            # the tracer's launcher places passed descriptors at 3, 4...; Popen keeps their number
+            seccomp_at = 3 if self._tracer is not None else filter_fd
+            run = functools.partial(
+                run_process_tree,
+                cwd=ws,
+                env=run_env,
+                stdin=stdin,
+                timeout_s=timeout_s,
+                max_output_bytes=self.config.max_output_bytes,
+                pass_fds=(filter_fd,),
+            )
+
+            def run_as(uid: int | None) -> Result:
+                full = self.command(argv, ws, uid, seccomp_fd=seccomp_at)
+                if self._tracer is None:
+                    return run(full)
+                return self._tracer.run(
+                    functools.partial(run, full),
                     workspace=str(ws),
                     runtime_roots=self._runtime_roots(),
-                    # the tracer starts (setpriv when root), then prlimit, then the command
-                    wrapper_execs=2 if self._as_root else 1,
-                    max_bytes=self._trace_cap(),
+                    # bwrap, then setpriv when root, then prlimit, then the command
+                    wrapper_execs=3 if self._as_root else 2,
                 )
-            return result
+
+            if not self._as_root:
+                return run_as(None)
+            with _workspace_lock(ws), _lease_uid(*self.config.uid_range) as uid:
+                owner = os.stat(ws)
+                chown_tree(ws, uid, uid)
+                try:
+                    return run_as(uid)
+                finally:
+                    chown_tree(ws, owner.st_uid, owner.st_gid)
+        finally:
+            os.close(filter_fd)
 
 
 def _copy_readable(src: str, dest: str) -> None:

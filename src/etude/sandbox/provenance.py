@@ -3,9 +3,10 @@
 Text rules read how a command was *spelled*; provenance records what it *did*, whatever the
 spelling (a path in a variable, built by concatenation, reached through an interpreter API, or
 a command decoded from base64 and piped to a shell). The mechanism is ``strace -f`` with a
-seccomp-bpf filter (``--seccomp-bpf``), started inside the bubblewrap sandbox as the sandbox's
-first process, before privileges are dropped; the command runs as its traced descendant.
-``benchmarks/bench_monitor.py`` measures the overhead against the same command untraced.
+seccomp-bpf filter (``--seccomp-bpf``): one tracer per sandbox, started with its first command
+and kept for the episode (``etude.sandbox.tracer``), under which each command's ``bwrap`` starts.
+``benchmarks/bench_monitor.py`` measures the overhead against the same command untraced; this
+module holds the tracer's options and the parser of its log.
 
 What is recorded, per command (``Provenance``), for every process of the tree:
 
@@ -23,18 +24,18 @@ What it does not record: file metadata calls (``stat``, ``access``, ``readlink``
 content); reads through file descriptors inherited from outside or passed over sockets; memory
 maps of files already open; anything the kernel does on the command's behalf. Relative paths are
 resolved against each process's working directory as followed through ``chdir``/``fchdir`` and
-``clone``; symbolic links are not resolved (a link's own path is recorded). The trace is written
-by a process the command cannot signal or read (it runs as the sandbox's root before the drop to
-the leased uid); when etude runs as an ordinary user the tracer has the command's uid and a
-determined command could kill it: the record then ends early and ``complete`` is False. The
-trace file lives on the host while the command runs, capped at ``TRACE_MAX_BYTES``. Opens
-submitted through io_uring are not system calls of their own and would not be seen: the sandbox
-refuses io_uring (``etude.sandbox.seccomp``).
+``clone``. Other names of a file are followed: an open records, beside the path as given, the
+file the kernel opened (``-y`` prints it with the descriptor: a symlink, ``/proc/self/cwd``); the
+source of a hard link counts as read and written, the source of a rename as read and deleted.
+The tracer runs on the host outside
+the sandbox's PID namespace, so the command can neither signal it nor reach its log; a record
+whose end never arrived (the tracer died) has ``complete`` False, and one past
+``TRACE_MAX_BYTES`` is truncated too. Operations submitted through io_uring are not system calls
+of their own and would not be seen: the sandbox refuses io_uring (``etude.sandbox.seccomp``).
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
 import re
 from collections.abc import Iterable
@@ -49,13 +50,9 @@ TRACED_SYSCALLS = (
     "open,openat,openat2,creat,truncate,execve,execveat,unlink,unlinkat,rmdir,rename,renameat,"
     "renameat2,link,linkat,symlink,symlinkat,mkdir,mkdirat,chdir,fchdir,clone,clone3,fork,vfork"
 )
-TRACE_DIR = "/run/etude-provenance"
-"""Where the trace directory is mounted inside the sandbox (not readable by the command)."""
-TRACE_FILE = "trace"
-TRACE_MAX_BYTES = 256 << 20
-"""Largest trace the tracer may write (its RLIMIT_FSIZE; at least the sandbox's file limit):
-past it the tracer dies of SIGXFSZ, the sandbox with it (the command's exit code is 153), and
-the record is incomplete. Host disk use is bounded by it, not only by the command's time."""
+TRACE_MAX_BYTES = 64 << 20
+"""Largest log of one command (the tracer's file-size limit): past it the tracer ends, the
+command's traced calls fail, and its record is truncated and incomplete (``tracer``)."""
 MAX_ENTRIES = 2000
 """Per list: more distinct paths than this are dropped and ``truncated`` is set."""
 MAX_PROCESSES = 200
@@ -69,22 +66,23 @@ _NOISE = re.compile(
 )
 
 
-def strace_argv(strace: str = "strace") -> list[str]:
-    """The tracer's argv prefix; the traced command follows it."""
+def strace_argv(output: str) -> list[str]:
+    """The tracer's options (the program to trace follows them); the log goes to ``output``."""
     return [
-        strace,
         "-f",  # follow every fork/clone
         "--seccomp-bpf",  # stop only at the traced syscalls
-        "-qq",  # no attach/exit messages
+        "-q",  # no attach messages; exits stay: a process's exit line ends a command's segment
         "-y",  # print the path behind each fd argument (openat's dirfd, fchdir)
         "-s",
         "4096",  # whole strings (paths, argv entries)
         "-e",
         f"trace={TRACED_SYSCALLS}",
         "-e",
-        "signal=none",
+        # no line per delivered signal, but one per death by signal (as one per exit): a
+        # process's last line, whatever ended it; the signals that kill nobody stay silent
+        "signal=!SIGCHLD,SIGWINCH,SIGURG,SIGCONT",
         "-o",
-        f"{TRACE_DIR}/{TRACE_FILE}",
+        output,
         "--",
     ]
 
@@ -154,9 +152,14 @@ _CALL = re.compile(r"^(\w+)\((.*)\)\s+=\s+(-?\d+|\?|0x[0-9a-f]+)(?:\s+(\w+)\s*\(
 # most lines are opens: read them with one regex instead of the general argument splitter
 _OPEN = re.compile(
     r'^(openat|open)\((?:(AT_FDCWD(?:<[^>]*>)?|-?\d+<[^>]*>|-?\d+), )?("(?:[^"\\]|\\.)*"), '
-    r"([A-Z0-9_|]+)[^)]*\)\s+=\s+(-?\d+)"
+    r"([A-Z0-9_|]+)[^)]*\)\s+=\s+(-?\d+)(?:<(.*)>$)?"
 )
+# the path behind a returned descriptor (``-y``): ``= 3</real/path>``
+_RET_PATH = re.compile(r"\)\s+=\s+\d+<(.*)>$")
+_OPENS = ("open", "creat", "openat", "openat2")
 _UNFINISHED = " <unfinished ...>"
+# a successful exec, whole or resumed: ``execve(...) = 0``, ``<... execve resumed>) = 0``
+_EXEC_OK = re.compile(r"^\d+\s+(?:execve(?:at)?\(|<\.\.\. execve(?:at)? resumed>).*\)\s+=\s+0$")
 _RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>\s?(.*)$", re.S)
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "v": "\v", "f": "\f", '"': '"', "\\": "\\"}
 
@@ -294,7 +297,8 @@ class _Collector:
         seen.add(rel)
         items.append(rel)
 
-    def call(self, pid: int, name: str, args: list[str], ret: str) -> None:
+    def call(self, pid: int, name: str, args: list[str], ret: str, real: str | None = None) -> None:
+        """One system call; ``real``: the path behind the descriptor an open returned."""
         ok = ret != "?" and not ret.startswith("-")
         if self.wrapper_execs and self.num_execs <= self.wrapper_execs:
             # the wrappers' own work (reading /proc, loading libraries) is not the command's
@@ -310,7 +314,7 @@ class _Collector:
                 child = int(ret)
                 self.cwd[child] = self.cwd.get(pid, self.workspace)
             return
-        if name in ("open", "creat", "openat", "openat2"):
+        if name in _OPENS:
             at = 1 if name.startswith("openat") else 0
             dirfd = args[0] if at else None
             path = _string(args[at]) if len(args) > at else None
@@ -328,14 +332,21 @@ class _Collector:
                 if not writes and not _PYC.search(full):
                     self.add("failed", full)
                 return
-            if writes:
-                self.add("written", full)
-                if "O_RDWR" in flags and "O_TRUNC" not in flags:
-                    self.add("read", full)  # sqlite and friends open read-write to read
-            elif "O_DIRECTORY" in flags:
-                self.add("listed", full)
-            else:
-                self.add("read", full)
+            paths = [full]
+            if real is not None:
+                # what the kernel opened: through a symlink (file or directory), /proc/self/cwd...
+                real = posixpath.normpath(_unescape(real) if "\\" in real else real)
+                if real != full and real.startswith("/"):
+                    paths.append(real)
+            for path in paths:
+                if writes:
+                    self.add("written", path)
+                    if "O_RDWR" in flags and "O_TRUNC" not in flags:
+                        self.add("read", path)  # sqlite and friends open read-write to read
+                elif "O_DIRECTORY" in flags:
+                    self.add("listed", path)
+                else:
+                    self.add("read", path)
             return
         if not ok:
             return
@@ -362,7 +373,10 @@ class _Collector:
         elif name in ("rename", "renameat", "renameat2") and len(strings) >= 2:
             (i, src), (j, dst) = strings[:2]
             at = name != "rename"
-            self.add("deleted", self.resolve(pid, src, args[i - 1] if at else None))
+            source = self.resolve(pid, src, args[i - 1] if at else None)
+            # a move makes the source's content reachable under the new name: it counts as read
+            self.add("read", source)
+            self.add("deleted", source)
             self.add("written", self.resolve(pid, dst, args[j - 1] if at else None))
         elif name in ("mkdir", "mkdirat", "truncate") and strings:
             i, path = strings[0]
@@ -371,6 +385,13 @@ class _Collector:
             i, path = strings[-1]
             dirfd = args[i - 1] if name.endswith("at") and i > 0 else None
             self.add("written", self.resolve(pid, path, dirfd))
+            if name in ("link", "linkat") and len(strings) >= 2:
+                # a hard link is the same file under a second name: whatever is read or written
+                # through it is the source's, so the source counts as both
+                k, src = strings[0]
+                source = self.resolve(pid, src, args[k - 1] if name == "linkat" else None)
+                self.add("read", source)
+                self.add("written", source)
 
 
 def _cap_argv(argv: list[str]) -> list[str]:
@@ -401,6 +422,19 @@ def parse_strace(
     col = _Collector(
         workspace=workspace, runtime_roots=tuple(runtime_roots), wrapper_execs=wrapper_execs
     )
+    if wrapper_execs:
+        # the wrappers' lines (the sandbox's own set-up: most lines of a short command) are
+        # left out anyway: skip them without parsing, up to the last wrapper's exec
+        lines = list(lines)
+        start, found = len(lines), 0
+        for i, raw in enumerate(lines):
+            if "exec" in raw and _EXEC_OK.search(raw):
+                found += 1
+                if found == wrapper_execs:
+                    start = i + 1
+                    break
+        lines = lines[start:]
+        col.num_execs = found
     pending: dict[int, str] = {}
     for raw in lines:
         m = _LINE.match(raw.rstrip("\n"))
@@ -419,39 +453,19 @@ def parse_strace(
             text = head + resumed.group(2)
         fast = _OPEN.match(text)
         if fast is not None:
-            name, dirfd, path, flags, ret = fast.groups()
-            col.call(pid, name, [dirfd, path, flags] if name == "openat" else [path, flags], ret)
+            name, dirfd, path, flags, ret, real = fast.groups()
+            args = [dirfd, path, flags] if name == "openat" else [path, flags]
+            col.call(pid, name, args, ret, real)
             continue
         call = _CALL.match(text)
         if call is None:
             continue
         name, arg_text, ret = call.group(1), call.group(2), call.group(3)
-        col.call(pid, name, split_args(arg_text), ret)
+        real = _RET_PATH.search(text) if name in _OPENS else None
+        col.call(pid, name, split_args(arg_text), ret, real.group(1) if real else None)
     if pending:
         col.prov.complete = False
     return col.prov
-
-
-def read_trace(
-    trace_dir: str | os.PathLike[str],
-    *,
-    workspace: str,
-    runtime_roots: Iterable[str] = (),
-    wrapper_execs: int = 0,
-    max_bytes: int = TRACE_MAX_BYTES,
-) -> Provenance:
-    """Parse the trace a sandbox run left in ``trace_dir`` (missing or cut: incomplete)."""
-    path = os.path.join(trace_dir, TRACE_FILE)
-    if not os.path.isfile(path):
-        return Provenance(complete=False)
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
-        prov = parse_strace(
-            f, workspace=workspace, runtime_roots=runtime_roots, wrapper_execs=wrapper_execs
-        )
-    if os.path.getsize(path) >= max_bytes:
-        prov.complete = False
-        prov.truncated = True
-    return prov
 
 
 def merge(records: Iterable[Provenance | None]) -> Provenance:
