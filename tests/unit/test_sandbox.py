@@ -256,6 +256,15 @@ def test_io_uring_is_refused(request, backend, ws):
     assert r.stdout == "Function not implemented\n"
 
 
+@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
+def test_user_lookups_read_the_files_only(ws):
+    """The sandbox's nsswitch.conf answers users and groups from /etc alone: host sources
+    (systemd's userdb) have no daemon inside and would only cost probes per lookup."""
+    r = make("bwrap").run("grep -E '^(passwd|group):' /etc/nsswitch.conf; id -un 0", ws)
+    assert r.ok, r.stderr
+    assert r.stdout == "passwd: files\ngroup: files\nroot\n"
+
+
 def test_hidden_paths_read_empty(request, backend, ws):
     attack(request, backend, "hidden")
     (ws / "secret").mkdir()
