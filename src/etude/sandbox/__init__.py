@@ -38,6 +38,7 @@ from etude.sandbox.base import Backend, Result, Sandbox, SandboxConfig
 from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
 from etude.sandbox.grader import Outcome, Status, grade
 from etude.sandbox.local import LocalSandbox
+from etude.sandbox.probe import SandboxUnavailableError, bwrap_probe, transient_error
 from etude.sandbox.pytest import TestOutcome, TestRun, run_pytest
 
 __all__ = [
@@ -48,9 +49,11 @@ __all__ = [
     "Result",
     "Sandbox",
     "SandboxConfig",
+    "SandboxUnavailableError",
     "Status",
     "TestOutcome",
     "TestRun",
+    "bwrap_unavailable_reason",
     "grade",
     "make_sandbox",
     "run_pytest",
@@ -60,8 +63,11 @@ __all__ = [
 def make_sandbox(backend: Backend | None = None, cfg: SandboxConfig | None = None) -> Sandbox:
     """A sandbox for ``backend`` (default ``cfg.backend``): ``auto`` is bwrap where it works.
 
-    When ``auto`` cannot use bubblewrap it returns the local backend, which warns with the
-    reason and everything that is then no longer isolated.
+    When ``auto`` finds bubblewrap missing or not permitted it returns the local backend, which
+    warns with the reason and everything that is then no longer isolated; with
+    ``cfg.require_isolation`` it raises ``SandboxUnavailableError`` instead. A probe that only
+    times out or is killed (a loaded host) is retried and then raises the same error: that is
+    never a reason to run unisolated (``etude.sandbox.probe``).
     """
     cfg = cfg if cfg is not None else SandboxConfig()
     choice = backend if backend is not None else cfg.backend
@@ -71,7 +77,16 @@ def make_sandbox(backend: Backend | None = None, cfg: SandboxConfig | None = Non
         return LocalSandbox(cfg)
     if choice != "auto":
         raise ValueError(f"sandbox backend {choice!r} is unknown; use 'auto', 'bwrap' or 'local'")
-    reason = bwrap_unavailable_reason()
-    if reason is None:
+    probe = bwrap_probe()
+    if probe.verdict == "available":
         return BwrapSandbox(cfg)
-    return LocalSandbox(cfg, reason=reason)
+    if probe.verdict == "transient":
+        raise transient_error(probe)
+    if cfg.require_isolation:
+        raise SandboxUnavailableError(
+            f"sandbox.require_isolation is true but bubblewrap is not usable here "
+            f"({probe.reason}); install bubblewrap and allow user namespaces "
+            "(`make system-deps`), or set sandbox.backend='local' to run without isolation "
+            "on purpose"
+        )
+    return LocalSandbox(cfg, reason=probe.reason)

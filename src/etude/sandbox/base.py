@@ -83,6 +83,9 @@ class SandboxConfig:
     """Unprivileged uids [start, stop) leased one per concurrent bwrap run when started as root."""
     provenance: bool = False
     """Record the files each command opened, wrote, ran and deleted (bwrap only; needs strace)."""
+    require_isolation: bool = False
+    """With ``backend = "auto"``: bwrap or an error, never the local fallback (an explicit
+    ``backend = "local"`` still runs unisolated)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "bwrap", "local"):

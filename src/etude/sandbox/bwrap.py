@@ -516,15 +516,12 @@ def _lease_uid(start: int, stop: int) -> Iterator[int]:
         time.sleep(0.05)  # every uid of the range is in use: wait for a run to finish
 
 
-@functools.lru_cache(maxsize=1)
 def bwrap_unavailable_reason() -> str | None:
-    """None when a bwrap sandbox runs a command on this host, else why it cannot (cached)."""
-    try:
-        sandbox = BwrapSandbox(SandboxConfig(backend="bwrap"))
-    except ValueError as e:
-        return str(e)
-    with tempfile.TemporaryDirectory(prefix="etude-bwrap-probe-") as tmp:
-        result = sandbox.run(["true"], tmp, timeout=30)
-    if result.exit_code != 0:
-        return f"probe `bwrap ... true` exited {result.exit_code}: {result.stderr.strip()[:300]}"
-    return None
+    """None when a bwrap sandbox runs a command on this host, else why it cannot.
+
+    A transient failure (timeout, signal) is a reason too here, after the retries of
+    ``etude.sandbox.probe.bwrap_probe``; ``make_sandbox`` tells the two apart.
+    """
+    from etude.sandbox.probe import bwrap_probe
+
+    return bwrap_probe().reason
