@@ -212,7 +212,7 @@ class EpisodeTracer:
             if time.monotonic() >= deadline or self._proc is None or self._proc.poll() is not None:
                 return data, False
             time.sleep(wait)
-            wait = min(2 * wait, 0.05)
+            wait = min(2 * wait, 0.002)
 
     def run(
         self,
