@@ -1,12 +1,15 @@
 """Validation by test runs in the sandbox, and re-checking finished records."""
 
 import dataclasses
+import json
 import subprocess
 
 import pytest
 from test_tasks_mine import write_mini_repo
 
+from etude.sandbox.grader import grading_config
 from etude.tasks.build import TaskBuildConfig, TaskFactory
+from etude.tasks.build_report import TaskOutcome
 from etude.tasks.mine import Feature, ProposalConfig
 from etude.tasks.record import TaskRecord, resolve_workspace
 from etude.tasks.sanitize import run_git
@@ -70,6 +73,40 @@ from minipkg.checks import twice
 def test_twice_runs():
     assert True
 """
+# a timing test of the kind that fails under load (a socket read with a timeout): here the load
+# is an environment variable the sandbox sets on chosen runs (`LoadedHost`)
+NET_TESTS = """\
+import os
+
+
+def test_echo_within_timeout():
+    assert os.environ.get("ETUDE_TEST_HOST_LOADED") != "1", "timed out waiting for the echo"
+"""
+FLAKY = "tests/test_net.py::test_echo_within_timeout"
+
+
+class LoadedHost:
+    """The factory's sandbox on a host whose load makes ``FLAKY`` fail: in the gold runs (runs
+    naming ``FLAKY`` among explicit ids) numbered in ``loaded_runs`` (1-based). Every command
+    still runs in the real sandbox."""
+
+    def __init__(self, inner, loaded_runs):
+        self.inner = inner
+        self.name = inner.name
+        self.config = grading_config(inner.config)
+        self.not_isolated = inner.not_isolated
+        self.loaded_runs = set(loaded_runs)
+        self.gold_runs = 0
+
+    def run(self, cmd, cwd, *, timeout=None, env=None, stdin=None):
+        if stdin and FLAKY in json.loads(stdin).get("args", []):
+            self.gold_runs += 1
+            if self.gold_runs in self.loaded_runs:
+                env = {**(env or {}), "ETUDE_TEST_HOST_LOADED": "1"}
+        return self.inner.run(cmd, cwd, timeout=timeout, env=env, stdin=stdin)
+
+    def close(self):
+        self.inner.close()
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +119,7 @@ def factory(tmp_path_factory):
             "tests/test_state.py": STATE_TESTS,
             "minipkg/checks.py": CHECKS,
             "tests/test_checks.py": CHECKS_TESTS,
+            "tests/test_net.py": NET_TESTS,
         },
     )
     cfg = TaskBuildConfig(workers=1, proposals=ProposalConfig(min_lines=2))
@@ -182,6 +220,48 @@ def test_a_gold_tree_the_reward_would_score_zero_makes_no_task(factory):
     assert outcome.reason.startswith("the gold tree grades error: tampering: test function"), (
         outcome.reason
     )
+
+
+def _with_load(factory, loaded_runs, gold_runs=2):
+    """``make_task`` for ``shapes.area`` on a loaded host; the factory is restored after."""
+    inner, cfg = factory.sandbox, factory.cfg
+    factory.sandbox = LoadedHost(inner, loaded_runs)
+    factory.cfg = dataclasses.replace(cfg, gold_runs=gold_runs)
+    try:
+        return factory.make_task(_feature(factory, "minipkg.shapes", "area")), factory.sandbox
+    finally:
+        factory.sandbox, factory.cfg = inner, cfg
+
+
+def test_a_test_that_flakes_on_the_gold_tree_leaves_the_task(factory, area_record):
+    """The flaky test passed in both baseline runs and on the broken tree, then failed in one of
+    the two gold runs: it is dropped from PASS_TO_PASS (the gold tree is the baseline's), the
+    task stays, and the build keeps it out of every task, earlier ones included."""
+    assert FLAKY in area_record.PASS_TO_PASS
+    outcome, host = _with_load(factory, loaded_runs={1})
+    try:
+        assert host.gold_runs == 2
+        assert outcome.record is not None, outcome.reason
+        assert FLAKY not in outcome.record.PASS_TO_PASS
+        assert outcome.record.FAIL_TO_PASS == ["tests/test_shapes.py::test_area"]
+        assert FLAKY in factory.flaky_found
+        earlier = dataclasses.replace(area_record)
+        factory.drop_flaky([TaskOutcome(feature="area", record=earlier, reason="", seconds=0.0)])
+        assert FLAKY not in earlier.PASS_TO_PASS and FLAKY in area_record.PASS_TO_PASS
+    finally:
+        factory.flaky_found.discard(FLAKY)
+
+
+def test_a_test_failing_in_every_gold_run_rejects_the_task(factory):
+    """Failing in both gold runs is not flakiness: the gold tree does not pass (rejected), and
+    with one gold run a single failure rejects too (nothing to tell a flake by)."""
+    outcome, _ = _with_load(factory, loaded_runs={1, 2})
+    assert outcome.record is None
+    assert outcome.reason == f"gold patch leaves 1 tests failing, e.g. {FLAKY}"
+    single, host = _with_load(factory, loaded_runs={1}, gold_runs=1)
+    assert host.gold_runs == 1 and single.record is None
+    assert single.reason.startswith("gold patch leaves 1 tests failing")
+    assert not factory.flaky_found
 
 
 def test_check_catches_a_tampered_workspace_and_a_bad_patch(factory, area_record):

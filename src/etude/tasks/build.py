@@ -134,6 +134,8 @@ class TaskFactory(VariantMaker):
         self._proposed: list[Feature] | None = None
         self.proposals_rejected: dict[str, str] = {}
         self.seconds_baseline = 0.0
+        self.flaky_found: set[str] = set()
+        """Tests that failed in some gold runs only (flaky): out of every task of the build."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -399,6 +401,8 @@ class TaskFactory(VariantMaker):
                 hit = scan["hits"][0]
                 return reject(f"leak scan: {hit['kind']} in {hit['path']}: {hit['match']!r}")
             path_to_module = {p: m for m, p in self.layout.modules.items()}
+            with self._lock:
+                passing = [t for t in self.baseline.passing if t not in self.flaky_found]
             validation = validate_task(
                 sandbox=self.sandbox,
                 workspace=ws,
@@ -409,7 +413,7 @@ class TaskFactory(VariantMaker):
                 definitions=feature.definitions,
                 deleted_files=feature.files,
                 candidates=feature.tests,
-                baseline_passing=self.baseline.passing,
+                baseline_passing=passing,
                 canonical=self.baseline.canonical,
                 importable=self.baseline.importable,
                 deleted_modules=[path_to_module[p] for p in feature.files],
@@ -418,7 +422,15 @@ class TaskFactory(VariantMaker):
                 timeout=self.time_limit,
                 pytest_args=self.pytest_args,
                 gold_full_suite=self.cfg.gold_full_suite,
+                gold_runs=self.cfg.gold_runs,
             )
+            if validation.flaky:
+                with self._lock:
+                    self.flaky_found.update(validation.flaky)
+                self.log(
+                    f"{feature.name}: {len(validation.flaky)} tests flaky on the gold tree, "
+                    f"dropped from every task: {', '.join(validation.flaky[:3])}"
+                )
             if not validation.ok:
                 return reject(validation.reason, validation.log.runs, validation.log.seconds)
             level = difficulty(
@@ -625,6 +637,23 @@ class TaskFactory(VariantMaker):
                     )
         return [outcomes[i] for i in sorted(outcomes)]
 
+    def drop_flaky(self, outcomes: list[TaskOutcome]) -> None:
+        """Take the tests found flaky on any task's gold tree out of every accepted record (a
+        task accepted before the flake showed keeps none of them); a record left without
+        FAIL_TO_PASS is rejected."""
+        for outcome in outcomes:
+            record = outcome.record
+            if record is None or not self.flaky_found:
+                continue
+            f2p = [t for t in record.FAIL_TO_PASS if t not in self.flaky_found]
+            if not f2p:
+                remove_workspace(self.out_dir, record)
+                outcome.record = None
+                outcome.reason = f"every FAIL_TO_PASS test is flaky on a gold tree, e.g. {record.FAIL_TO_PASS[0]}"
+                continue
+            record.FAIL_TO_PASS = f2p
+            record.PASS_TO_PASS = [t for t in record.PASS_TO_PASS if t not in self.flaky_found]
+
     def build(self) -> tuple[list[TaskRecord], BuildReport]:
         """Validate every candidate (up to ``max_tasks`` valid), write ``tasks.jsonl`` and the report."""
         t0 = time.monotonic()
@@ -643,6 +672,7 @@ class TaskFactory(VariantMaker):
         deadline = time.monotonic() + self.cfg.time_budget_s if self.cfg.time_budget_s else None
         outcomes = self.run_features(features, limit=self.cfg.max_tasks, deadline=deadline)
         not_tried = [f.name for f in features[len(outcomes) :]]
+        self.drop_flaky(outcomes)
         records = [o.record for o in outcomes if o.record is not None]
         if self.cfg.dedupe_fail_to_pass:
             records, duplicates = dedupe_by_fail_to_pass(records)
@@ -676,7 +706,7 @@ class TaskFactory(VariantMaker):
             + len(self.baseline.failing)
             + len(self.baseline.flaky),
             num_passing=len(self.baseline.passing),
-            flaky=list(self.baseline.flaky),
+            flaky=[*self.baseline.flaky, *sorted(self.flaky_found)],
             baseline_failing=len(self.baseline.failing),
             candidates=len(outcomes),
             valid=len(records),

@@ -39,9 +39,12 @@ class TaskBuildConfig:
     """Tasks validated at once (each test run is one sandboxed process)."""
     workspace_format: Literal["dir", "tar.gz"] = "dir"
     """Write each workspace as a directory or as a reproducible ``.tar.gz``."""
-    gold_full_suite: bool = False
-    """Also grade the gold-patched tree on PASS_TO_PASS (one whole-suite run more per task; by
-    default they rest on the gold tree being identical to the baseline tree, where they passed)."""
+    gold_full_suite: bool = True
+    """Grade the gold-patched tree on PASS_TO_PASS too, as the reward does (false: FAIL_TO_PASS
+    only; PASS_TO_PASS then rest on the gold tree being the baseline's, where they passed)."""
+    gold_runs: int = 2
+    """Times the gold tree is graded: a test failing in every run rejects the task, one failing
+    in some runs is flaky and leaves the task's tests (and every other task's of the build)."""
     leak_min_line_chars: int = 16
     """Shortest normalized line of deleted code the leak scan looks for."""
     leak_ngram: int = 3
@@ -89,6 +92,10 @@ class TaskBuildConfig:
         if self.baseline_runs < 2:
             raise ValueError(
                 f"tasks.baseline_runs={self.baseline_runs}: at least 2 are needed to see flaky tests"
+            )
+        if self.gold_runs < 1:
+            raise ValueError(
+                f"tasks.gold_runs={self.gold_runs} must be >= 1 (2 or more also find flaky tests)"
             )
         if self.max_tasks < 0:
             raise ValueError(f"tasks.max_tasks={self.max_tasks} must be >= 0 (0: no limit)")

@@ -88,6 +88,7 @@ def reason_category(reason: str) -> str:
         ("package no longer imports", "package does not import"),
         ("leak scan", "leak"),
         ("gold", "gold patch"),
+        ("every FAIL_TO_PASS test is flaky", "flaky"),
         ("used by", "used outside the feature"),
         ("agent proposal: ", "agent proposal"),
         ("needed at import time", "needed at import time"),

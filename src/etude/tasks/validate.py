@@ -10,11 +10,13 @@ A task is valid when, all in the sandbox:
    FAIL_TO_PASS tests still fail: tests that a stub passes say nothing about the feature and are
    dropped from FAIL_TO_PASS (the task is rejected if none remain);
 4. the gold patch (broken -> original) applies with ``git apply``, restores the original files
-   byte for byte, and makes every FAIL_TO_PASS test pass (with ``gold_full_suite`` also every
-   PASS_TO_PASS test; otherwise those rest on the restored tree being identical to the baseline
-   tree, where they passed in every baseline run), in a run the grader calls sound (status
-   ``passed``: a gold tree whose tests pass but whose run reports tampering or ends short would
-   be scored 0 by the reward, so it makes no task).
+   byte for byte, and makes every FAIL_TO_PASS and PASS_TO_PASS test pass (only FAIL_TO_PASS
+   without ``gold_full_suite``), in runs the grader calls sound (a gold tree whose tests pass but
+   whose run reports tampering or ends short would be scored 0 by the reward, so it makes no
+   task). The gold tree is graded ``gold_runs`` times: a test failing in every run rejects the
+   task; one failing in some runs only is flaky (the tree is the baseline's, byte for byte) and
+   leaves FAIL_TO_PASS and PASS_TO_PASS, so a socket or timing test that fails under load does
+   not score a correct solution 0 at training time.
 
 Every test run goes through the grader the reward uses (``etude.sandbox.grader``), with the
 record's test environment and pytest arguments: the broken and stub trees are graded as they
@@ -31,7 +33,8 @@ failing F2P, and a fresh leak scan (the deleted code is what the gold patch adds
 
 What this module does not do: choose features, delete code or build workspaces; nor guard
 against tests that pass by accident (randomness, order dependence) beyond the baseline's
-flakiness filter.
+flakiness filter and the repeated gold runs: a test that flakes in none of the build's runs
+still reaches the record.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ class Validation:
     pass_to_pass: list[str] = field(default_factory=list)
     stub_passing: list[str] = field(default_factory=list)
     """Candidate tests that fail on the broken tree but pass with a trivial body (dropped)."""
+    flaky: list[str] = field(default_factory=list)
+    """Tests that failed in some gold runs and passed in others (dropped from both lists)."""
     log: RunLog = field(default_factory=RunLog)
 
 
@@ -164,7 +169,8 @@ def validate_task(
     test_env: Mapping[str, str],
     timeout: float,
     pytest_args: Sequence[str] = (),
-    gold_full_suite: bool = False,
+    gold_full_suite: bool = True,
+    gold_runs: int = 2,
 ) -> Validation:
     """Validate the broken ``workspace`` (module docstring, steps 1-4).
 
@@ -246,30 +252,49 @@ def validate_task(
         return Validation(ok=False, reason="gold-patched tree differs from the original", log=log)
     gold_ids = sorted(f2p | p2p) if gold_full_suite else sorted(f2p)
     # graded the way the reward grades an agent: the gold tree's package changes on a pristine
-    # copy of the broken workspace
-    gold_run = grade(
-        workspace, gold, allowed, gold_ids, test_env, args, sandbox=sandbox, timeout=timeout
-    )
-    log.add(gold_run)
-    gold_outcomes = graded_outcomes(gold_run, canonical)
-    not_passing = sorted(_failing(gold_outcomes, gold_ids))
-    if not_passing:
+    # copy of the broken workspace, ``gold_runs`` times
+    failures: list[set[str]] = []
+    for _ in range(max(1, gold_runs)):
+        gold_run = grade(
+            workspace, gold, allowed, gold_ids, test_env, args, sandbox=sandbox, timeout=timeout
+        )
+        log.add(gold_run)
+        failed = _failing(graded_outcomes(gold_run, canonical), gold_ids)
+        if gold_run.status not in ("passed", "failed") or (
+            gold_run.status == "failed" and not failed
+        ):
+            # the run was not sound (tampering, a cut channel, an exit code pytest did not
+            # return): the reward would score this gold tree 0, so no task
+            return Validation(
+                ok=False,
+                reason=f"the gold tree grades {gold_run.status}: {gold_run.reason}",
+                log=log,
+            )
+        failures.append(failed)
+    always = sorted(set.intersection(*failures))
+    if always:
         return Validation(
             ok=False,
-            reason=f"gold patch leaves {len(not_passing)} tests failing, e.g. {not_passing[0]}",
+            reason=f"gold patch leaves {len(always)} tests failing, e.g. {always[0]}",
             log=log,
         )
-    if gold_run.status != "passed":
-        # every test passed, but the run was not sound (tampering, a cut channel, an exit code
-        # pytest did not return): the reward would score this gold tree 0, so no task
+    # the gold tree is the baseline's tree byte for byte: a test that fails in one of its runs
+    # and passes in another is flaky (timing, sockets, load); the reward would score a correct
+    # solution 0 whenever it fails, so it leaves the task's tests
+    flaky = set().union(*failures)
+    if f2p - flaky == set():
         return Validation(
-            ok=False, reason=f"the gold tree grades {gold_run.status}: {gold_run.reason}", log=log
+            ok=False,
+            reason=f"every FAIL_TO_PASS test is flaky on the gold tree, e.g. {sorted(flaky)[0]}",
+            flaky=sorted(flaky),
+            log=log,
         )
     return Validation(
         ok=True,
-        fail_to_pass=sorted(f2p),
-        pass_to_pass=sorted(p2p),
+        fail_to_pass=sorted(f2p - flaky),
+        pass_to_pass=sorted(p2p - flaky),
         stub_passing=sorted(stub_passing),
+        flaky=sorted(flaky),
         log=log,
     )
 
