@@ -151,7 +151,7 @@ _LINE = re.compile(r"^(\d+)\s+(.*)$")
 _CALL = re.compile(r"^(\w+)\((.*)\)\s+=\s+(-?\d+|\?|0x[0-9a-f]+)(?:\s+(\w+)\s*\(.*\))?.*$", re.S)
 # most lines are opens: read them with one regex instead of the general argument splitter
 _OPEN = re.compile(
-    r'^(openat|open)\((?:(AT_FDCWD(?:<[^>]*>)?|-?\d+<[^>]*>|-?\d+), )?("(?:[^"\\]|\\.)*"), '
+    r'^(openat|open)\((?:(AT_FDCWD(?:<[^>]*>)?|-?\d+<[^>]*>|-?\d+), )?("[^"\\]*(?:\\.[^"\\]*)*"), '
     r"([A-Z0-9_|]+)[^)]*\)\s+=\s+(-?\d+)(?:<(.*)>$)?"
 )
 # the path behind a returned descriptor (``-y``): ``= 3</real/path>``
@@ -249,6 +249,7 @@ class _Collector:
     wrapper_execs: int = 0
     """Execs of the sandbox's own wrappers (setpriv, prlimit) before the command's own."""
     num_execs: int = 0
+    _runtime_prefixes: tuple[str, ...] | None = None
 
     def rel(self, path: str) -> str:
         ws = self.workspace.rstrip("/")
@@ -267,7 +268,9 @@ class _Collector:
         return posixpath.normpath(path).replace("//", "/")
 
     def in_runtime(self, path: str) -> bool:
-        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.runtime_roots)
+        if self._runtime_prefixes is None:  # one str.startswith over a tuple, not a loop
+            self._runtime_prefixes = tuple(r.rstrip("/") + "/" for r in self.runtime_roots)
+        return path in self.runtime_roots or path.startswith(self._runtime_prefixes)
 
     def add(self, kind: str, path: str) -> None:
         if _NOISE.search(path):
