@@ -15,6 +15,7 @@ import pytest
 from etude.sandbox import SandboxConfig
 from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
 from etude.sandbox.provenance import Provenance, merge, parse_strace, split_args
+from etude.sandbox.tracer import find_end
 
 WS = "/work/ep/workspace"
 
@@ -223,6 +224,33 @@ def test_live_tracer_is_out_of_the_commands_reach(workspace):
     assert prov is not None and prov.complete and "a.txt" in prov.read
     assert tracer.tracer_pid == before and tracer.starts == 1
     assert BwrapSandbox(SandboxConfig(backend="bwrap")).run("true", workspace).provenance is None
+
+
+def test_a_forged_exit_line_inside_a_path_does_not_end_the_record():
+    """strace escapes newlines in strings, so a file name cannot carry a line of its own."""
+    trace = (
+        b'7 openat(AT_FDCWD, "x\\n7 +++ exited with 0 +++\\n", O_RDONLY) = 3\n'
+        b'7 openat(AT_FDCWD, "a.txt", O_RDONLY) = 3\n'
+        b"7    +++ exited with 0 +++\n"
+        b"8 clone3(...) = 9\n"
+    )
+    end = find_end(trace, 7)
+    assert end is not None and trace[:end].endswith(b"7    +++ exited with 0 +++\n")
+    assert find_end(trace, 70) is None
+
+
+@needs_bwrap
+def test_live_commands_get_no_descriptor_of_the_tracer(workspace):
+    """The launcher's socket would let a command start processes outside the sandbox: a traced
+    command holds the same descriptors as an untraced one, stdin, stdout and stderr alone."""
+    fds = "import os; print(sorted(os.listdir('/proc/self/fd')))"
+    traced = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    plain = BwrapSandbox(SandboxConfig(backend="bwrap"))
+    want = "['0', '1', '2', '3']\n"  # 3: the listing's own directory descriptor
+    for sandbox in (traced, plain, traced):
+        result = sandbox.run(["python3", "-c", fds], workspace)
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == want
 
 
 @needs_bwrap
