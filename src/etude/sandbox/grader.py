@@ -78,7 +78,16 @@ TEST_OUTCOMES = ("error", "failed", "skipped", "passed")
 CHANNEL_BYTES = 64 << 20
 """Output kept per stream for a grading run: the result channel must never be cut."""
 OUTPUT_EXCERPT_CHARS = 8000
-PYTEST_FIXED_ARGS = ("-p", "no:cacheprovider", "-q")
+PYTEST_FIXED_ARGS = (
+    "-p",
+    "no:cacheprovider",
+    "-q",
+    "-W",
+    "ignore::pytest.PytestAssertRewriteWarning",
+)
+"""The reporter loads the environment's plugins before pytest starts, so pytest warns that it
+cannot rewrite their asserts; a repository whose ``filterwarnings`` is ``error`` (itsdangerous)
+would turn that warning into a start-up failure of every graded run."""
 
 
 @dataclass(kw_only=True, slots=True)
