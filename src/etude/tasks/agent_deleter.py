@@ -14,9 +14,12 @@ static checks as the factory's own (``Miner.custom_feature``: definitions exist,
 exercise them), and then goes through the same deletion, sanitizing, leak scan and validation;
 the records say ``kind = "agent_deletion"``.
 
-Any OpenAI-compatible chat endpoint works (``etude serve``, vLLM, SGLang, a hosted API); a
-caller may instead pass any chat callable (``model``: messages in, text out), which is how the
-tests drive a scripted agent. Off by default (``enabled = false``). The key is read from the environment variable named by
+Any OpenAI-compatible chat endpoint works (``etude serve``, vLLM, SGLang, a hosted API). With
+``api = "tokens"`` the model is reached through the token-level inference backend instead
+(``etude.tasks.agent_backend``: the prompt rendered into ids in the model's own chat format, an
+``HTTPBackend`` on ``/v1/completions``); a caller may also pass any chat callable (``model``:
+messages in, text out), e.g. ``agent_backend.backend_chat_model`` over an in-process
+``EngineBackend``, which is how the tests drive a scripted agent. Off by default (``enabled = false``). The key is read from the environment variable named by
 ``api_key_env`` and sent as a bearer token; nothing else leaves the machine but the module's
 source. Uses ``urllib`` only.
 
@@ -34,7 +37,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 SYSTEM_PROMPT = (
     "You design programming exercises from real code. Given one Python module, choose features "
@@ -50,10 +53,22 @@ class AgentDeleterConfig:
 
     enabled: bool = False
     """Ask the model for features in addition to the factory's own proposals."""
+    api: Literal["chat", "tokens"] = "chat"
+    """``chat``: ``/chat/completions`` with text; ``tokens``: the token-level backend
+    (``/v1/completions`` with prompt ids, ``etude.engine.backends.HTTPBackend``)."""
     base_url: str = "http://localhost:8000/v1"
-    """Endpoint root; ``/chat/completions`` is appended."""
+    """Endpoint root; ``/chat/completions`` (or, for ``tokens``, ``/completions``) is appended."""
     model: str = ""
-    """Model name sent in the request."""
+    """Model name sent in the request (``tokens``: "" takes the first one the server lists)."""
+    tokenizer: str = ""
+    """``tokens`` only: the model directory whose tokenizer renders prompts and decodes replies."""
+    chat_format: str = ""
+    """``tokens`` only: ``etude``, ``hermes``, ``kimi_k2`` or ``deepseek_v3`` ("": detected
+    from ``tokenizer``)."""
+    dialect: str = "etude"
+    """``tokens`` only: the server's dialect (``etude``, ``vllm``, ``sglang``)."""
+    max_new_tokens: int = 1024
+    """``tokens`` only: most tokens of one reply."""
     api_key_env: str = "OPENAI_API_KEY"
     """Environment variable holding the API key (empty or unset: no Authorization header)."""
     temperature: float = 0.0
@@ -66,8 +81,17 @@ class AgentDeleterConfig:
     """Seconds per request."""
 
     def __post_init__(self) -> None:
-        if self.enabled and not self.model:
+        if self.api not in ("chat", "tokens"):
+            raise ValueError(f"agent.api={self.api!r} must be 'chat' or 'tokens'")
+        if self.enabled and self.api == "chat" and not self.model:
             raise ValueError("agent.model must name the model when agent.enabled is true")
+        if self.enabled and self.api == "tokens" and not self.tokenizer:
+            raise ValueError(
+                "agent.tokenizer must name the model directory (its tokenizer renders the "
+                "prompts) when agent.api is 'tokens'"
+            )
+        if self.max_new_tokens < 1:
+            raise ValueError(f"agent.max_new_tokens={self.max_new_tokens} must be >= 1")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"agent.base_url={self.base_url!r} must be an http(s) URL")
         if self.max_features_per_module < 1:
@@ -149,6 +173,10 @@ ChatModel = Callable[[list[dict[str, str]]], str]
 """A model as the deleter uses it: chat messages in, the assistant's text out."""
 
 
+class PromptTooLong(ValueError):
+    """A model's context cannot hold a module's prompt (the module is skipped, with the reason)."""
+
+
 def propose_with_agent(
     miner: Any, cfg: AgentDeleterConfig, proposal_cfg: Any, *, model: ChatModel | None = None
 ) -> tuple[list[Any], dict[str, str]]:
@@ -160,7 +188,14 @@ def propose_with_agent(
     """
     from etude.tasks.mine import Feature, combine
 
-    ask = model or (lambda messages: chat(cfg, messages))
+    if model is not None:
+        ask = model
+    elif cfg.api == "tokens":
+        from etude.tasks.agent_backend import http_chat_model
+
+        ask = http_chat_model(cfg)
+    else:
+        ask = lambda messages: chat(cfg, messages)  # noqa: E731
     path_to_module = {p: m for m, p in miner.layout.modules.items()}
     files = sorted(miner.layout.modules.values())
     features = []
@@ -171,12 +206,16 @@ def propose_with_agent(
         public = [q for q in mod.units if not any(p.startswith("_") for p in q.split("."))]
         if not public:
             continue
-        reply = ask(
-            [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": module_prompt(module, mod.source, public, files)},
-            ]
-        )
+        try:
+            reply = ask(
+                [
+                    {"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": module_prompt(module, mod.source, public, files)},
+                ]
+            )
+        except PromptTooLong as e:
+            rejected[f"{module}:"] = f"agent proposal: not asked: {e}"
+            continue
         for names, paths in parse_proposals(reply)[: cfg.max_features_per_module]:
             key = f"{module}:{'+'.join(names + paths)}"
             parts: list[Any] = []
