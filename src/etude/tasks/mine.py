@@ -92,8 +92,16 @@ class ProposalConfig:
     modules, deleted together (``etude.tasks.features``)."""
     max_feature_lines: int = 600
     """Largest feature-sized task (lines of deleted definitions)."""
+    feature_max_test_files: int = 3
+    """Most test files one feature-sized group spans (files joined by code only their tests
+    run; 1: one group per test file only)."""
 
     def __post_init__(self) -> None:
+        if self.feature_max_test_files < 1:
+            raise ValueError(
+                f"proposals.feature_max_test_files={self.feature_max_test_files} must be >= 1 "
+                "(1: one feature-sized group per test file)"
+            )
         if self.min_lines < 1:
             raise ValueError(f"min_lines={self.min_lines} must be >= 1")
         if self.max_lines < self.min_lines or self.max_module_lines < self.min_lines:

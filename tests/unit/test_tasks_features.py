@@ -1,0 +1,115 @@
+"""Feature-sized groups across test files: code that the tests of two files share, and only they
+run, makes one feature of both files (it belongs to neither file's own group)."""
+
+from __future__ import annotations
+
+import pytest
+from test_tasks_mine import write_mini_repo
+
+from etude.tasks.features import cluster_test_files, feature_groups
+from etude.tasks.mine import (
+    Baseline,
+    Miner,
+    ProposalConfig,
+    detect_layout,
+    index_package,
+    index_test_imports,
+)
+
+TEXTFMT = '''\
+"""Parse and render a tiny key=value format."""
+
+
+def _tokenize(text):
+    """Split ``text`` into stripped, non-empty lines."""
+    lines = [line.strip() for line in text.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def parse(text):
+    """``a=1`` lines -> a dict of strings."""
+    out = {}
+    for line in _tokenize(text):
+        key, _, value = line.partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def render(items):
+    """A dict -> ``a=1`` lines, in key order; comments in values are dropped."""
+    lines = []
+    for key in sorted(items):
+        lines.append(f"{key}={items[key]}")
+    return "\\n".join(_tokenize("\\n".join(lines)))
+'''
+FILES = {
+    "minipkg/textfmt.py": TEXTFMT,
+    "tests/test_parse.py": "from minipkg.textfmt import parse\n\n\ndef test_parse():\n"
+    "    assert parse('a = 1') == {'a': '1'}\n",
+    "tests/test_render.py": "from minipkg.textfmt import render\n\n\ndef test_render():\n"
+    "    assert render({'b': 2, 'a': 1}) == 'a=1\\nb=2'\n",
+}
+PARSE, RENDER = "tests/test_parse.py::test_parse", "tests/test_render.py::test_render"
+OTHER = ("tests/test_shapes.py::test_area", "tests/test_words.py::test_shout")
+
+
+def _miner(root, runs_of):
+    """A miner over the mini repository plus ``FILES``, with the coverage map ``runs_of``
+    (qualname of ``minipkg.textfmt`` -> the tests that execute its body)."""
+    layout = detect_layout(root)
+    index = index_package(root, layout)
+    units = index["minipkg.textfmt"].units
+    lines = {}
+    for q, tests in runs_of.items():
+        lo, hi = units[q].body
+        for n in range(lo, hi + 1):
+            lines[n] = frozenset(tests)
+    baseline = Baseline(
+        passing=(PARSE, RENDER, *OTHER),
+        failing=(),
+        flaky=(),
+        canonical={},
+        line_tests={"minipkg/textfmt.py": lines},
+        importable=tuple(layout.modules),
+    )
+    return Miner(layout, index, baseline, index_test_imports(root, layout))
+
+
+def test_code_two_test_files_share_makes_one_group_of_both(tmp_path):
+    root = write_mini_repo(tmp_path, FILES)
+    runs_of = {"_tokenize": {PARSE, RENDER}, "parse": {PARSE}, "render": {RENDER}}
+    miner = _miner(root, runs_of)
+    features, skipped = feature_groups(miner, ProposalConfig(min_lines=2))
+    by_name = {f.name: f for f in features}
+    # per file, one unit only that file's tests run: a symbol feature at most
+    assert skipped["feature tests/test_parse.py"].startswith("1 units")
+    assert skipped["feature tests/test_render.py"].startswith("1 units")
+    both = by_name["feature.test_parse+test_render"]
+    assert set(both.symbols) == {
+        "minipkg.textfmt._tokenize",
+        "minipkg.textfmt.parse",
+        "minipkg.textfmt.render",
+    }
+    assert both.tests == frozenset({PARSE, RENDER}) and both.kind == "feature"
+    # one group per test file only: the shared code is in no feature
+    single, _ = feature_groups(miner, ProposalConfig(min_lines=2, feature_max_test_files=1))
+    assert not any("textfmt" in s for f in single for s in f.symbols)
+
+
+def test_clusters_leave_out_code_too_many_files_share():
+    def unit(*files):
+        return frozenset(f"{f}::t" for f in files)
+
+    unit_tests = {
+        ("m", "a"): unit("t1.py", "t2.py"),
+        ("m", "b"): unit("t2.py", "t3.py"),
+        ("m", "c"): unit("t4.py"),
+        ("m", "hub"): unit("t4.py", "t5.py", "t6.py", "t7.py"),  # infrastructure: links nothing
+        ("m", "d"): unit("t5.py", "t6.py"),
+    }
+    assert cluster_test_files(unit_tests, 3) == [("t1.py", "t2.py", "t3.py"), ("t5.py", "t6.py")]
+    # a component over the limit is not a feature
+    assert cluster_test_files(unit_tests, 2) == [("t5.py", "t6.py")]
+    assert cluster_test_files(unit_tests, 1) == []
+    with pytest.raises(ValueError, match="feature_max_test_files"):
+        ProposalConfig(feature_max_test_files=0)
