@@ -106,7 +106,11 @@ def main() -> None:
         sft_eval = evaluate_policy(rl, run / "sft", group, label="eval sft")
         write_json_atomic(sft_eval_path, sft_eval)
 
-    arms = {"feedback": rl.teacher.beta, "rl": 0.0}
+    arms = {
+        arm: beta
+        for arm, beta in {"feedback": rl.teacher.beta, "rl": 0.0}.items()
+        if arm in args.arms
+    }
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
     for seed in args.seeds:
         for arm, beta in arms.items():
@@ -155,6 +159,12 @@ def main() -> None:
                 ),
                 flush=True,
             )
+
+    if set(arms) != {"feedback", "rl"}:
+        # one arm per process lets two processes share the cores; a last run with both arms
+        # (every eval.json then exists) writes the comparison
+        print(f"arms {sorted(arms)} done; run again with both arms to write {args.out}")
+        return
 
     def final_min(arm: str) -> float:
         return min(r["final"]["pass_at_1"] for r in results[arm].values())

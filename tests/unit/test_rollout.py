@@ -131,6 +131,19 @@ def test_advantages_broadcast_to_generated_tokens() -> None:
     assert batch["mask_BT"].tolist()[1] == [False, False, True]
 
 
+def test_negative_advantage_scale_keeps_positive_advantages() -> None:
+    trajs = [_traj(r, [1, 2], [0, 1]) for r in (1.0, 0.0, 0.0, 0.0, 1.0, 1.0)]
+    full, _ = trajectory_advantages(trajs, 3, RLConfig())
+    half, _ = trajectory_advantages(trajs, 3, RLConfig(negative_advantage_scale=0.5))
+    only_up, zero = trajectory_advantages(trajs, 3, RLConfig(negative_advantage_scale=0.0))
+    assert full == pytest.approx([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3])
+    assert half == pytest.approx([2 / 3, -1 / 6, -1 / 6, -1 / 3, 1 / 3, 1 / 3])
+    assert only_up == pytest.approx([2 / 3, 0, 0, 0, 1 / 3, 1 / 3])
+    assert zero == [False] * 6
+    with pytest.raises(ValueError, match="negative_advantage_scale"):
+        RLConfig(negative_advantage_scale=1.5)
+
+
 def test_policy_loss_at_ratio_one(model) -> None:
     # behavior logprobs = current logprobs: ratio 1, loss = -mean advantage, no clipping
     ids = list(range(10, 40))

@@ -71,6 +71,14 @@ class RLConfig:
     """Divide group-centred rewards by the group's std."""
     drop_zero_variance: bool = False
     """Leave groups whose rewards are all equal out of the loss (they have zero advantage)."""
+    negative_advantage_scale: float = 1.0
+    """Factor on negative advantages: 1 = plain group-relative advantages (GRPO); 0 = only
+    episodes above their group's mean are reinforced (filtered imitation of the policy's own
+    successes, as in RAFT, https://arxiv.org/abs/2304.06767, and ReST,
+    https://arxiv.org/abs/2308.08998). Below 1 a failing episode's tokens are pushed down less:
+    a failing episode is longer (retries, extra turns), so under a token mean its shared tokens
+    (the call syntax) get more negative weight than the passing episodes give them positive
+    weight, and a brittle warm start then makes more malformed calls (docs/rl.md)."""
     num_minibatches: int = 1
     """Optimizer steps per rollout batch (1: fully on-policy)."""
     micro_batch_size: int = 4
@@ -100,6 +108,11 @@ class RLConfig:
             raise ValueError("rl.num_minibatches and rl.micro_batch_size must be >= 1")
         if not self.ref_kl_coef >= 0:
             raise ValueError(f"rl.ref_kl_coef={self.ref_kl_coef} must be >= 0 (0 = off)")
+        if not 0.0 <= self.negative_advantage_scale <= 1.0:
+            raise ValueError(
+                f"rl.negative_advantage_scale={self.negative_advantage_scale} must lie in [0, 1] "
+                "(1 = plain group-relative advantages, 0 = reinforce only above-mean episodes)"
+            )
         if not self.max_log_ratio > 0:
             raise ValueError(f"rl.max_log_ratio={self.max_log_ratio} must be > 0, e.g. 10")
         if self.dual_clip != 0 and not self.dual_clip > 1:

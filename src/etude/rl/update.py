@@ -117,7 +117,10 @@ def trajectory_advantages(
     valid_NG = torch.tensor([is_graded(t) for t in trajectories]).view(-1, group_size)
     adv = group_advantages(rewards_NG, normalize_std=cfg.normalize_std, valid_NG=valid_NG)
     zero = adv.zero_variance_N[:, None].expand(-1, group_size).reshape(-1).tolist()
-    return adv.advantages_NG.reshape(-1).tolist(), zero
+    adv_NG = adv.advantages_NG
+    if cfg.negative_advantage_scale != 1.0:
+        adv_NG = torch.where(adv_NG < 0, adv_NG * cfg.negative_advantage_scale, adv_NG)
+    return adv_NG.reshape(-1).tolist(), zero
 
 
 # ---------------------------------------------------------------- the loss
