@@ -288,8 +288,10 @@ def verdict_line(before: dict, after: dict, rl_steps: int, feedback: bool) -> st
         f"pass@1 {b:.2f} [{before['pass_at_1_low']:.2f}, {before['pass_at_1_high']:.2f}] -> "
         f"{a:.2f} [{after['pass_at_1_low']:.2f}, {after['pass_at_1_high']:.2f}] ({call}) over "
         f"{rl_steps} steps of {arm}; {n} eval episodes per policy on the "
-        f"{int(after['tasks'])} training tasks, 1 seed, 95% Wilson intervals; targeted errors "
-        f"per turn {before['targeted_error_rate']:.2f} -> {after['targeted_error_rate']:.2f}"
+        f"{int(after['tasks'])} training tasks, 1 seed, 95% Wilson intervals; per turn: "
+        f"unknown-tool calls {before.get('unknown_tool_rate', 0.0):.2f} -> "
+        f"{after.get('unknown_tool_rate', 0.0):.2f}, malformed calls "
+        f"{before.get('malformed_rate', 0.0):.2f} -> {after.get('malformed_rate', 0.0):.2f}"
     )
 
 

@@ -64,12 +64,15 @@ def test_wilson_interval_and_verdict_say_worse_when_worse():
             "episodes": n,
             "tasks": 9,
             "targeted_error_rate": 0.1,
+            "unknown_tool_rate": 0.12,
+            "malformed_rate": 0.4,
         }
 
     assert "(WORSE)" in verdict_line(ev(30), ev(5), 10, True)
     assert "(better)" in verdict_line(ev(5), ev(30), 10, True)
     line = verdict_line(ev(10), ev(12), 10, False)
     assert "the intervals overlap" in line and "training tasks" in line and "54 eval" in line
+    assert "unknown-tool calls 0.12 -> 0.12" in line and "malformed calls 0.40 -> 0.40" in line
 
 
 def test_monitor_reads_a_demo_run_directory(tmp_path):
