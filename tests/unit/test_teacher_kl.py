@@ -272,3 +272,67 @@ def test_teacher_weights_frozen_and_ema(tok: Tokenizer) -> None:
         torch.testing.assert_close(p, q)
     with pytest.raises(ValueError, match="teacher.source"):
         TeacherConfig(source="nope")
+
+
+def test_divergence_span_keeps_the_turn_up_to_the_token_the_teacher_disprefers():
+    from etude.rl.teacher import divergence_span
+
+    V = 6
+    targets = torch.tensor([1, 2, 3, 4])
+    behavior = torch.log(torch.tensor([0.9, 0.9, 0.5, 0.9]))
+    agree = torch.full((4, V), -5.0)
+    agree[torch.arange(4), targets] = 5.0  # the teacher likes every student token
+    assert divergence_span(agree, targets, behavior) == 4
+    disagree = agree.clone()
+    disagree[2] = 0.0
+    disagree[2, 5] = 8.0  # at target 2 the teacher wants token 5, not the student's 3
+    assert divergence_span(disagree, targets, behavior) == 3
+    # within the margin: a token the teacher finds a little less likely is no divergence
+    mild = agree.clone()
+    mild[2, 3] = 4.0
+    assert divergence_span(mild, targets, behavior, margin=1.0) == 4
+    # a token outside the teacher's top-k diverges (its log-probability is -inf)
+    assert divergence_span(disagree, targets, behavior, top_k=1) == 3
+    # the sampling temperature applies to the teacher as it did to the student: at a high one
+    # the teacher is near uniform over 6 tokens and falls below the first token already
+    assert divergence_span(agree, targets, behavior, temperature=100.0) == 1
+
+
+def test_kl_to_divergence_leaves_out_the_tokens_after_the_divergence():
+    from etude.env.trajectory import Turn
+    from etude.rl.teacher import HintedTurn, cut_at_divergence, feedback_kl_loss
+
+    ids = [7, 8, 1, 2, 3, 4]
+    turn = Turn(
+        role="assistant",
+        text="",
+        token_ids=ids,
+        trainable=[0, 0, 1, 1, 1, 1],
+        logprobs=[0.0, 0.0, *torch.log(torch.tensor([0.9, 0.9, 0.5, 0.9])).tolist()],
+    )
+    traj = Trajectory(task_id="t", turns=[turn])
+    h = HintedTurn(
+        row=0,
+        turn=0,
+        hint="Reminder",
+        teacher_ids=[7, 8, 99, 1, 2, 3, 4],
+        student_targets=[2, 3, 4, 5],
+        teacher_targets=[3, 4, 5, 6],
+    )
+    V = 100
+    teacher = torch.full((4, V), -5.0)
+    teacher[torch.arange(4), torch.tensor([1, 2, 3, 4])] = 5.0
+    teacher[2] = 0.0
+    teacher[2, 50] = 8.0
+    empty = HintedTurn(
+        row=0, turn=0, hint="", teacher_ids=ids, student_targets=[2, 3], teacher_targets=[2, 3]
+    )
+    cut, teachers = cut_at_divergence([h, empty], [teacher, None], [traj])
+    assert cut[0].student_targets == [2, 3, 4] and cut[0].teacher_targets == [3, 4, 5]
+    assert teachers[0].shape == (3, V) and teachers[1] is None and cut[1] is empty
+    # the KL covers the kept targets only; the tokens after the divergence carry no gradient
+    student = torch.randn(1, len(ids), V, requires_grad=True)
+    loss, kl_N = feedback_kl_loss(student, cut[:1], teachers[:1], [0])
+    loss.backward()
+    assert len(kl_N) == 3
+    assert student.grad[0, 4:].abs().sum() == 0 and student.grad[0, 1:4].abs().sum() > 0

@@ -28,6 +28,7 @@ Legend: B teacher sequences, T tokens, N target tokens, V vocabulary.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from etude.engine.sampling import sampling_logprobs
 from etude.env.trajectory import Trajectory
 from etude.model.chat import encode_message
 from etude.model.tokenizer import Tokenizer
@@ -59,6 +61,16 @@ class TeacherConfig:
     """Sum the KL over the teacher's top-k tokens plus a tail bucket; 0 = the full vocabulary."""
     max_batch: int = 16
     """Most teacher sequences per forward (the hinted turns of a batch run in chunks)."""
+    kl_span: Literal["turn", "to_divergence"] = "turn"
+    """Which tokens of a hinted turn the KL covers. ``turn``: every generated token.
+    ``to_divergence``: the tokens up to and including the first one the hinted teacher finds
+    less likely than the student did by more than ``divergence_nats`` (all of them when there is
+    none). After that token the teacher reads a prefix it would not have written (the unknown
+    tool's name, say), its distribution there is no target, and a KL toward it broadens the
+    student's call syntax (docs/text-feedback.md)."""
+    divergence_nats: float = 1.0
+    """``kl_span = "to_divergence"``: how much less likely (log-probability, nats) the teacher
+    must find the student's token for the turn to diverge there."""
 
     def __post_init__(self) -> None:
         if self.source not in ("rollout", "frozen", "ema"):
@@ -71,6 +83,12 @@ class TeacherConfig:
             raise ValueError(f"teacher.kl_kind={self.kl_kind!r}: use reverse, forward or jsd")
         if self.topk < 0:
             raise ValueError(f"teacher.topk={self.topk} must be >= 0 (0 = full vocabulary)")
+        if self.kl_span not in ("turn", "to_divergence"):
+            raise ValueError(f"teacher.kl_span={self.kl_span!r}: use turn or to_divergence")
+        if not self.divergence_nats > 0:
+            raise ValueError(
+                f"teacher.divergence_nats={self.divergence_nats} must be > 0 (e.g. 1.0)"
+            )
         if self.max_batch < 1:
             raise ValueError(f"teacher.max_batch={self.max_batch} must be >= 1")
 
@@ -239,6 +257,66 @@ def feedback_kl_loss(
     kl_N = torch.cat(pieces)
     denom = float(max(num_tokens, 1)) if num_tokens is not None else float(max(len(kl_N), 1))
     return kl_N.sum() / denom, kl_N.detach()
+
+
+def divergence_span(
+    teacher_NV: Tensor,
+    target_ids_N: Tensor,
+    behavior_N: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    margin: float = 1.0,
+) -> int:
+    """How many of a hinted turn's N targets ``teacher.kl_span = "to_divergence"`` keeps: up to
+    and including the first target whose teacher log-probability (under the sampling
+    transform) is below the student's behaviour log-probability by more than ``margin`` nats;
+    N when there is none. A token outside the teacher's top-k / top-p diverges."""
+    logp_NV = sampling_logprobs(teacher_NV.float(), temperature, top_k=top_k, top_p=top_p)
+    picked_N = logp_NV.gather(-1, target_ids_N[:, None].to(logp_NV.device))[:, 0].cpu()
+    below_N = ~(picked_N >= behavior_N.float().cpu() - margin)  # -inf and NaN diverge too
+    hits = below_N.nonzero()
+    return int(hits[0, 0]) + 1 if len(hits) else len(target_ids_N)
+
+
+def cut_at_divergence(
+    hinted: Sequence[HintedTurn],
+    teachers: Sequence[Tensor | None],
+    trajectories: Sequence[Trajectory],
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    margin: float = 1.0,
+) -> tuple[list[HintedTurn], list[Tensor | None]]:
+    """The hinted turns (and their teacher logits) cut after their divergence token
+    (`divergence_span`); an empty hint's turn (teacher None, KL exactly 0) stays whole."""
+    out_h, out_t = [], []
+    for h, teacher in zip(hinted, teachers):
+        if teacher is None:
+            out_h.append(h)
+            out_t.append(teacher)
+            continue
+        traj = trajectories[h.row]
+        ids = traj.token_ids
+        behavior = [x for t in traj.turns for x in t.logprobs]
+        n = divergence_span(
+            teacher,
+            torch.tensor([ids[t] for t in h.student_targets]),
+            torch.tensor([behavior[t] for t in h.student_targets]),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            margin=margin,
+        )
+        out_h.append(
+            dataclasses.replace(
+                h, student_targets=h.student_targets[:n], teacher_targets=h.teacher_targets[:n]
+            )
+        )
+        out_t.append(teacher[:n])
+    return out_h, out_t
 
 
 # ---------------------------------------------------------------- teacher weights

@@ -92,6 +92,7 @@ from etude.rl.teacher import (
     TeacherWeights,
     build_hinted_turns,
     copy_full_weights,
+    cut_at_divergence,
     teacher_logits,
 )
 from etude.rl.update import StepBatch, is_graded, trajectory_advantages, update_policy
@@ -466,6 +467,16 @@ class RLRun:
         batch.teachers = teacher_logits(
             self.teacher.module, batch.hinted, max_batch=cfg.teacher.max_batch
         )
+        if cfg.teacher.kl_span == "to_divergence":
+            batch.hinted, batch.teachers = cut_at_divergence(
+                batch.hinted,
+                batch.teachers,
+                batch.trajectories,
+                temperature=cfg.rollout.temperature,
+                top_k=cfg.rollout.top_k,
+                top_p=cfg.rollout.top_p,
+                margin=cfg.teacher.divergence_nats,
+            )
 
     def update(self, batch: StepBatch) -> None:
         """Stage 5: the optimizer steps (``update_policy``), then the engine's and the EMA
