@@ -26,7 +26,9 @@ One ``bwrap`` invocation per command builds a new mount, PID, IPC, UTS, cgroup a
 
 Every run gets a seccomp filter (``bwrap --seccomp``, ``etude.sandbox.seccomp``) that refuses the
 io_uring calls with ``ENOSYS``: an operation submitted through a ring is not a system call of the
-process, so the provenance tracer would not see it.
+process, so the provenance tracer would not see it. With ``provenance`` on, ``bwrap`` is started
+by the sandbox's tracer (``etude.sandbox.tracer``: one ``strace`` for the sandbox's life, started
+by its first command, stopped by ``close``) instead of from this process.
 
 Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes, file
 size, open files, no core files). Root ignores RLIMIT_NPROC, also inside a user namespace that
