@@ -1,9 +1,12 @@
 """Does the main job learn? The demo recipe from one warm start, RL + text feedback vs RL only.
 
 Run: ``nice .venv/bin/python benchmarks/learning.py`` (writes benchmarks/results/learning.json
-and docs/img/learning.svg). ``--steps``, ``--seeds``, ``--eval-group-size`` and ``--recipe``
-are flags; ``--steps`` below the recipe's RL steps is a reduced version of the recipe, and the
-JSON says so (``reduced_steps``).
+and docs/img/learning.svg). ``--steps``, ``--seeds``, ``--eval-group-size``, ``--recipe`` and
+``--set KEY=VALUE ...`` (recipe overrides) are flags; ``--steps`` below the recipe's RL steps is
+a reduced version of the recipe, and the JSON says so (``reduced_steps``). ``--arms feedback``
+or ``--arms rl`` (with ``--seeds``) runs a part in its own process so that several share the
+cores; every finished (arm, seed) keeps its ``eval.json``, and a last run with both arms reads
+them and writes the comparison.
 
 Setup: the demo's tasks and warm start (``configs/demo.toml``: small symbol features of the
 bundled textkit repo, SFT on whole oracle episodes), built once into ``--run-dir``. The warm
@@ -139,6 +142,7 @@ def main() -> None:
                 write_json_atomic(eval_path, final)
             rows = read_metrics(arm_dir)
             rates = [targeted_rate(m) for m in rows]
+            unknown = [float(m.get("err/unknown_tool", 0.0)) for m in rows]
             results[arm][seed] = {
                 "shift": {
                     key: [float(m[key]) for m in rows if key in m]
@@ -147,6 +151,9 @@ def main() -> None:
                 "final": final,
                 "rates": rates,
                 "halving": halving_steps(sft_eval["targeted_error_rate"], rates),
+                # the error the demo's one detector targets, alone
+                "unknown_halving": halving_steps(sft_eval.get("unknown_tool_rate", 0.0), unknown),
+                "unknown_rates": unknown,
             }
             print(
                 f"seed {seed} {arm:8s}: pass@1 {final['pass_at_1']:.3f} "
@@ -169,8 +176,8 @@ def main() -> None:
     def final_min(arm: str) -> float:
         return min(r["final"]["pass_at_1"] for r in results[arm].values())
 
-    def mean_halving(arm: str) -> float:
-        values = [r["halving"] for r in results[arm].values()]
+    def mean_halving(arm: str, key: str = "halving") -> float:
+        values = [r[key] for r in results[arm].values()]
         return sum(values) / len(values)
 
     sft_p = sft_eval["pass_at_1"]
@@ -183,6 +190,10 @@ def main() -> None:
         "rl_final_pass_at_1_min": final_min("rl"),
         "feedback_error_halving_steps": mean_halving("feedback"),
         "rl_error_halving_steps": mean_halving("rl"),
+        "feedback_unknown_tool_halving_steps": mean_halving("feedback", "unknown_halving"),
+        "rl_unknown_tool_halving_steps": mean_halving("rl", "unknown_halving"),
+        "sft_unknown_tool_rate": sft_eval.get("unknown_tool_rate", 0.0),
+        "sft_malformed_rate": sft_eval.get("malformed_rate", 0.0),
         "steps": steps,
         "recipe_steps": recipe_steps,
         "reduced_steps": steps < recipe_steps,
@@ -197,6 +208,9 @@ def main() -> None:
             out[f"{arm}_seed{seed}_pass_at_1"] = r["final"]["pass_at_1"]
             out[f"{arm}_seed{seed}_error_halving_steps"] = r["halving"]
             out[f"{arm}_seed{seed}_final_targeted_error_rate"] = r["rates"][-1]
+            out[f"{arm}_seed{seed}_unknown_tool_halving_steps"] = r["unknown_halving"]
+            out[f"{arm}_seed{seed}_eval_unknown_tool_rate"] = r["final"]["unknown_tool_rate"]
+            out[f"{arm}_seed{seed}_eval_malformed_rate"] = r["final"]["malformed_rate"]
     for key in ("shift/hinted", "shift/other", "teacher_minus_student"):
         values = [v for r in results["feedback"].values() for v in r["shift"][key]]
         name = "feedback_" + key.replace("/", "_")
