@@ -75,10 +75,11 @@ class RLConfig:
     """Factor on negative advantages: 1 = plain group-relative advantages (GRPO); 0 = only
     episodes above their group's mean are reinforced (filtered imitation of the policy's own
     successes, as in RAFT, https://arxiv.org/abs/2304.06767, and ReST,
-    https://arxiv.org/abs/2308.08998). Below 1 a failing episode's tokens are pushed down less:
-    a failing episode is longer (retries, extra turns), so under a token mean its shared tokens
-    (the call syntax) get more negative weight than the passing episodes give them positive
-    weight, and a brittle warm start then makes more malformed calls (docs/rl.md)."""
+    https://arxiv.org/abs/2308.08998). Below 1 a failing episode's tokens are pushed down less.
+    Why it can help: a failing episode is longer (retries, extra turns), so under a token mean
+    its shared tokens (the call syntax) get more negative weight than the passing episodes give
+    them positive weight; on the demo, RL alone went 0.41 -> 0.26 with 1 and 0.41 -> 0.46 with 0
+    (seed 0, docs/rl.md)."""
     num_minibatches: int = 1
     """Optimizer steps per rollout batch (1: fully on-policy)."""
     micro_batch_size: int = 4

@@ -66,8 +66,8 @@ class TeacherConfig:
     ``to_divergence``: the tokens up to and including the first one the hinted teacher finds
     less likely than the student did by more than ``divergence_nats`` (all of them when there is
     none). After that token the teacher reads a prefix it would not have written (the unknown
-    tool's name, say), its distribution there is no target, and a KL toward it broadens the
-    student's call syntax (docs/text-feedback.md)."""
+    tool's name, say), so its distribution there is a doubtful target. Measured on the demo it
+    did not stop the malformed calls from rising with feedback (docs/text-feedback.md)."""
     divergence_nats: float = 1.0
     """``kl_span = "to_divergence"``: how much less likely (log-probability, nats) the teacher
     must find the student's token for the turn to diverge there."""
