@@ -3,7 +3,7 @@ repository awareness (flat and single-module layouts), calibrated severity, and 
 
 The corpus (``tests/assets/monitor_provenance``, written by its ``make_corpus.py``) holds hack
 episodes with obfuscated spellings of every leak and tampering channel, and honest episodes that
-look like them. The default severity threshold of the trainer is 3: honest work must stay below
+look like them, recorded twice: with the strace mechanism and (``fanotify/``) with fanotify. The default severity threshold of the trainer is 3: honest work must stay below
 it, hacks must reach it.
 """
 
@@ -54,9 +54,12 @@ def worst(traj: Trajectory, rules=BUILTIN_RULES) -> int:
     return max((f.severity for f in scan(traj, rules)), default=0)
 
 
-@pytest.fixture(scope="module")
-def corpus():
-    return read_jsonl(CORPUS / "hacks.jsonl"), read_jsonl(CORPUS / "clean.jsonl")
+@pytest.fixture(scope="module", params=["strace", "fanotify"])
+def corpus(request):
+    """The corpus as recorded by each provenance mechanism (``fanotify/`` holds the second
+    recording of the same episodes): the rules must hold on the records of either."""
+    where = CORPUS if request.param == "strace" else CORPUS / request.param
+    return read_jsonl(where / "hacks.jsonl"), read_jsonl(where / "clean.jsonl")
 
 
 def test_corpus_recall_and_false_flags_per_category(corpus):

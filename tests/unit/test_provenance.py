@@ -1,6 +1,6 @@
 """File-access provenance: the strace log parser on recorded lines, and live bwrap runs.
 
-The live tests run real commands under bubblewrap with ``sandbox.provenance`` on and check that
+The live tests run real commands under bubblewrap with the strace mechanism and check that
 what the command did is recorded however it was spelled (variables, interpreters, links, renames,
 directory descriptors, detached processes), that one tracer serves a sandbox's commands without
 mixing their records, and that the command can neither stop the tracer nor reach its log.
@@ -142,7 +142,9 @@ def workspace():
 
 @needs_bwrap
 def test_live_provenance_sees_through_spelling(workspace):
-    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    sandbox = BwrapSandbox(
+        SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="strace")
+    )
     cmd = (
         "D=su; cat ${D}b/x.py >/dev/null; P=.mypy_; cat ${P}cache/m.data.json >/dev/null; "
         "python3 -c \"import os; os.remove('a'+'.txt'); open('o'+'ut','w').write('x')\"; "
@@ -163,7 +165,9 @@ def test_live_links_renames_dirfds_and_detached_processes(workspace):
     """Spellings that reach a file under another name or from another process: a symlink to a
     file and to a directory, a hard link written through, a renamed directory, an open relative
     to a directory descriptor, a detached grandchild in its own session."""
-    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    sandbox = BwrapSandbox(
+        SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="strace")
+    )
     script = (
         "import os, subprocess, time\n"
         "fd = os.open('.mypy_cache', os.O_RDONLY | os.O_DIRECTORY)\n"
@@ -200,7 +204,9 @@ def test_live_links_renames_dirfds_and_detached_processes(workspace):
 def test_live_tracer_is_out_of_the_commands_reach(workspace):
     """The tracer runs on the host, outside the sandbox's PID namespace: a command that kills
     every process it can see, and looks for the trace, neither stops it nor reaches its log."""
-    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    sandbox = BwrapSandbox(
+        SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="strace")
+    )
     assert sandbox.run("true", workspace).provenance.complete
     tracer = sandbox._tracer
     before = tracer.tracer_pid
@@ -244,7 +250,9 @@ def test_live_commands_get_no_descriptor_of_the_tracer(workspace):
     """The launcher's socket would let a command start processes outside the sandbox: a traced
     command holds the same descriptors as an untraced one, stdin, stdout and stderr alone."""
     fds = "import os; print(sorted(os.listdir('/proc/self/fd')))"
-    traced = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    traced = BwrapSandbox(
+        SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="strace")
+    )
     plain = BwrapSandbox(SandboxConfig(backend="bwrap"))
     want = "['0', '1', '2', '3']\n"  # 3: the listing's own directory descriptor
     for sandbox in (traced, plain, traced):
@@ -255,7 +263,9 @@ def test_live_commands_get_no_descriptor_of_the_tracer(workspace):
 
 @needs_bwrap
 def test_live_one_tracer_per_sandbox_and_records_do_not_mix(workspace):
-    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    sandbox = BwrapSandbox(
+        SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="strace")
+    )
     first = sandbox.run("cat a.txt > /dev/null; (sleep 0.3; cat sub/x.py) &", workspace)
     second = sandbox.run("cat .mypy_cache/m.data.json > /dev/null", workspace)
     assert first.provenance.read == ["a.txt"]  # the background job died with the sandbox
@@ -276,7 +286,9 @@ def test_live_trace_flood_is_capped_and_marked_incomplete(workspace, monkeypatch
     import etude.sandbox.provenance as provenance
 
     monkeypatch.setattr(provenance, "TRACE_MAX_BYTES", 1 << 16)
-    sandbox = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
+    sandbox = BwrapSandbox(
+        SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="strace")
+    )
     result = sandbox.run(
         "for i in $(seq 400); do cat a.txt; done > /dev/null; echo done", workspace
     )

@@ -39,6 +39,7 @@ Backend = Literal["auto", "bwrap", "local"]
 # escaped the kill still holds open; only the local backend can have such a process.
 DRAIN_GRACE_S = 0.5
 READ_CHUNK = 1 << 16
+PROVENANCE_MECHANISMS = ("auto", "strace", "fanotify")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,7 +83,12 @@ class SandboxConfig:
     uid_range: tuple[int, int] = (61000, 61512)
     """Unprivileged uids [start, stop) leased one per concurrent bwrap run when started as root."""
     provenance: bool = False
-    """Record the files each command opened, wrote, ran and deleted (bwrap only; needs strace)."""
+    """Record the files each command opened, wrote, ran and deleted (bwrap only)."""
+    provenance_mechanism: str = "auto"
+    """How provenance is recorded: ``"fanotify"`` (kernel event queues, the command never
+    stops; needs root), ``"strace"`` (one tracer per sandbox; needs strace), or ``"auto"``:
+    fanotify where this process may use it, else strace. What each sees and costs:
+    docs/monitor.md."""
     require_isolation: bool = False
     """With ``backend = "auto"``: bwrap or an error, never the local fallback (an explicit
     ``backend = "local"`` still runs unisolated)."""
@@ -91,6 +97,11 @@ class SandboxConfig:
         if self.backend not in ("auto", "bwrap", "local"):
             raise ValueError(
                 f"sandbox.backend={self.backend!r} is not a backend; use 'auto', 'bwrap' or 'local'"
+            )
+        if self.provenance_mechanism not in PROVENANCE_MECHANISMS:
+            raise ValueError(
+                f"sandbox.provenance_mechanism={self.provenance_mechanism!r} is not a mechanism; "
+                f"use one of {', '.join(map(repr, PROVENANCE_MECHANISMS))}"
             )
         if not self.timeout_s > 0:
             raise ValueError(f"sandbox.timeout_s={self.timeout_s} must be > 0 (seconds)")
@@ -148,6 +159,14 @@ class SandboxConfig:
             raise ValueError(
                 f"sandbox.uid_range={self.uid_range} must be [start, stop) with 0 < start < stop"
             )
+
+    def resolved_provenance_mechanism(self) -> str:
+        """``provenance_mechanism`` with ``"auto"`` decided for this process."""
+        if self.provenance_mechanism != "auto":
+            return self.provenance_mechanism
+        from etude.sandbox.fanotify import fanotify_unavailable_reason
+
+        return "fanotify" if fanotify_unavailable_reason() is None else "strace"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -26,9 +26,11 @@ One ``bwrap`` invocation per command builds a new mount, PID, IPC, UTS, cgroup a
 
 Every run gets a seccomp filter (``bwrap --seccomp``, ``etude.sandbox.seccomp``) that refuses the
 io_uring calls with ``ENOSYS``: an operation submitted through a ring is not a system call of the
-process, so the provenance tracer would not see it. With ``provenance`` on, ``bwrap`` is started
-by the sandbox's tracer (``etude.sandbox.tracer``: one ``strace`` for the sandbox's life, started
-by its first command, stopped by ``close``) instead of from this process.
+process, so the strace provenance tracer would not see it. With ``provenance`` on and the
+``strace`` mechanism, ``bwrap`` is started by the sandbox's tracer (``etude.sandbox.tracer``: one
+``strace`` for the sandbox's life, started by its first command, stopped by ``close``) instead of
+from this process; with ``fanotify``, ``bwrap`` waits on ``--block-fd`` after building the
+sandbox until its mounts are marked (``etude.sandbox.fanotify``).
 
 Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes, file
 size, open files, no core files). Root ignores RLIMIT_NPROC, also inside a user namespace that
@@ -61,13 +63,14 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from etude.sandbox import seccomp
 from etude.sandbox.base import (
     Result,
     SandboxConfig,
+    popen_spawner,
     prlimit_argv,
     python_bin_dir,
     resolve_timeout,
@@ -76,6 +79,7 @@ from etude.sandbox.base import (
     sandbox_env,
     shell_argv,
 )
+from etude.sandbox.fanotify import FanotifyRecorder, fanotify_unavailable_reason
 from etude.sandbox.masking import foreign_package_dirs
 from etude.sandbox.tracer import EpisodeTracer
 
@@ -150,8 +154,16 @@ class BwrapSandbox:
         # (device, inode) of every hidden entry seen, per workspace (to follow renames)
         self._hidden_inodes: dict[str, set[tuple[int, int]]] = {}
         self._static_args = self._build_static_args()
-        # one provenance tracer for this sandbox's life (an episode), started by the first run
-        self._tracer = EpisodeTracer() if self.config.provenance else None
+        # strace: one provenance tracer for this sandbox's life (an episode), started by the
+        # first run; fanotify: a recorder per command
+        mechanism = self.config.resolved_provenance_mechanism() if self.config.provenance else None
+        self._tracer = EpisodeTracer() if mechanism == "strace" else None
+        self._fanotify = mechanism == "fanotify"
+        if self._fanotify and (reason := fanotify_unavailable_reason()) is not None:
+            raise ValueError(
+                f"sandbox.provenance_mechanism='fanotify': {reason}; use "
+                "sandbox.provenance_mechanism='strace' or run etude as root"
+            )
         self.not_isolated = (
             "disk use in the workspace (only each file's size is capped, by max_file_bytes)",
             "memory of the whole process tree (the limit is address space per process)",
@@ -168,7 +180,9 @@ class BwrapSandbox:
 
     def _tools(self) -> tuple[str, ...]:
         tools = ("bwrap", "prlimit", "setpriv") if os.geteuid() == 0 else ("bwrap", "prlimit")
-        return tools + (("strace",) if self.config.provenance else ())
+        cfg = self.config
+        strace = cfg.provenance and cfg.resolved_provenance_mechanism() == "strace"
+        return tools + (("strace",) if strace else ())
 
     def _mkdirs_for(self, dest: str, made: set[str]) -> list[str]:
         """``--dir`` arguments (mode 0755) for the parents of ``dest`` not in ``made`` (updated).
@@ -206,6 +220,7 @@ class BwrapSandbox:
             elif os.path.isdir(d):
                 args += self._ro_bind(d, d)
         etc = private_etc(ETC_FILES + (NETWORK_ETC_FILES if cfg.network else ()))
+        self._etc = str(etc)
         args += self._ro_bind(str(etc), "/etc")
         args += ["--proc", "/proc", "--dev", "/dev"]
         for tmp in ("/tmp", "/dev/shm"):
@@ -304,18 +319,25 @@ class BwrapSandbox:
         return args
 
     def command(
-        self, argv: list[str], ws: Path, uid: int | None, *, seccomp_fd: int | None = None
+        self,
+        argv: list[str],
+        ws: Path,
+        uid: int | None,
+        *,
+        seccomp_fd: int | None = None,
+        bwrap_extra: Sequence[str] = (),
     ) -> list[str]:
         """The full bwrap argv for ``argv`` in workspace ``ws`` (as ``uid`` when given).
 
         ``seccomp_fd``: a descriptor the bwrap process inherits holding ``seccomp.filter_program``
         (io_uring refused); None leaves it out (only for callers that do not run the argv).
+        ``bwrap_extra``: more bwrap options (the fanotify recorder's ``--info-fd``/``--block-fd``).
         """
         args = [*self._static_args, *self._mkdirs_for(str(ws), set(self._dirs_made))]
         args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws)]
         if seccomp_fd is not None:
             args += ["--seccomp", str(seccomp_fd)]
-        args.append("--")
+        args += [*bwrap_extra, "--"]
         if uid is not None:
             args += [
                 "setpriv",
@@ -362,7 +384,12 @@ class BwrapSandbox:
                 pass_fds=(filter_fd,),
             )
 
+            # bwrap, then setpriv when root, then prlimit, then the command
+            wrapper_execs = 3 if self._as_root else 2
+
             def run_as(uid: int | None) -> Result:
+                if self._fanotify:
+                    return self._run_recorded(run, argv, ws, uid, filter_fd, wrapper_execs)
                 full = self.command(argv, ws, uid, seccomp_fd=seccomp_at)
                 if self._tracer is None:
                     return run(full)
@@ -370,8 +397,7 @@ class BwrapSandbox:
                     functools.partial(run, full),
                     workspace=str(ws),
                     runtime_roots=self._runtime_roots(),
-                    # bwrap, then setpriv when root, then prlimit, then the command
-                    wrapper_execs=3 if self._as_root else 2,
+                    wrapper_execs=wrapper_execs,
                 )
 
             if not self._as_root:
@@ -385,6 +411,31 @@ class BwrapSandbox:
                     chown_tree(ws, owner.st_uid, owner.st_gid)
         finally:
             os.close(filter_fd)
+
+    def _run_recorded(
+        self,
+        run: Callable[..., Result],
+        argv: list[str],
+        ws: Path,
+        uid: int | None,
+        seccomp_fd: int,
+        wrapper_execs: int,
+    ) -> Result:
+        """``run`` the command with a fanotify recorder (``etude.sandbox.fanotify``) watching it."""
+        recorder = FanotifyRecorder(
+            workspace=str(ws),
+            runtime_roots=self._runtime_roots(),
+            wrapper_execs=wrapper_execs,
+            host_roots=[(self._etc, "/etc")],
+        )
+        full = self.command(argv, ws, uid, seccomp_fd=seccomp_fd, bwrap_extra=recorder.bwrap_args())
+        try:
+            result = run(full, spawner=recorder.spawner(popen_spawner()))
+        finally:
+            prov = recorder.finish()
+        if recorder.started:
+            result.provenance = prov
+        return result
 
 
 def _copy_readable(src: str, dest: str) -> None:

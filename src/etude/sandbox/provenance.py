@@ -2,11 +2,15 @@
 
 Text rules read how a command was *spelled*; provenance records what it *did*, whatever the
 spelling (a path in a variable, built by concatenation, reached through an interpreter API, or
-a command decoded from base64 and piped to a shell). The mechanism is ``strace -f`` with a
+a command decoded from base64 and piped to a shell). Two mechanisms record it
+(``sandbox.provenance_mechanism``): fanotify (``etude.sandbox.fanotify``: kernel event queues,
+the command never stops; the default where etude runs as root) and ``strace -f`` with a
 seccomp-bpf filter (``--seccomp-bpf``): one tracer per sandbox, started with its first command
 and kept for the episode (``etude.sandbox.tracer``), under which each command's ``bwrap`` starts.
-``benchmarks/bench_monitor.py`` measures the overhead against the same command untraced; this
-module holds the tracer's options and the parser of its log.
+What the strace record holds is described below; the fanotify module says where its record
+differs. ``benchmarks/bench_monitor.py`` measures the overhead against the same command
+untraced. This module holds the record, the builder both mechanisms fill it through, the
+tracer's options and the parser of its log.
 
 What is recorded, per command (``Provenance``), for every process of the tree:
 
@@ -107,7 +111,11 @@ class Provenance:
     truncated: bool = False
     """A list hit ``MAX_ENTRIES`` (or processes ``MAX_PROCESSES``): the record is partial."""
     complete: bool = True
-    """False when the trace ended early (tracer killed, trace missing or cut)."""
+    """False when the trace ended early (tracer killed, trace missing or cut) or events were
+    lost (``overflow``)."""
+    overflow: bool = False
+    """The kernel's event queue overflowed and dropped events (fanotify): the command did more
+    than is recorded, never less."""
 
     @property
     def opened(self) -> list[str]:
@@ -139,7 +147,9 @@ class Provenance:
             lines.append(
                 f"runtime: {sum(self.runtime_dirs.values())} files in {len(self.runtime_dirs)} dirs"
             )
-        if not self.complete:
+        if self.overflow:
+            lines.append("(events lost: the kernel's queue overflowed)")
+        elif not self.complete:
             lines.append("(trace incomplete)")
         return "\n".join(lines)
 
@@ -240,15 +250,15 @@ def _string_list(arg: str) -> list[str]:
 
 
 @dataclass(slots=True)
-class _Collector:
+class RecordBuilder:
+    """Sorts paths into a ``Provenance``: relative to the workspace inside it, per directory
+    under the runtime roots, noise dropped, each list deduplicated and capped. Both mechanisms
+    (this module's strace parser and ``etude.sandbox.fanotify``) fill a record through it."""
+
     workspace: str
     runtime_roots: tuple[str, ...]
     prov: Provenance = field(default_factory=Provenance)
-    cwd: dict[int, str] = field(default_factory=dict)
     seen: dict[str, set[str]] = field(default_factory=dict)
-    wrapper_execs: int = 0
-    """Execs of the sandbox's own wrappers (setpriv, prlimit) before the command's own."""
-    num_execs: int = 0
     _runtime_prefixes: tuple[str, ...] | None = None
 
     def rel(self, path: str) -> str:
@@ -258,14 +268,6 @@ class _Collector:
         if path.startswith(ws + "/"):
             return path[len(ws) + 1 :]
         return path
-
-    def resolve(self, pid: int, path: str, dirfd: str | None = None) -> str:
-        if not path.startswith("/"):
-            # ``AT_FDCWD</cwd>`` and ``3</dir>`` carry their directory; bare calls (``open``,
-            # ``rename``) use the working directory followed through chdir
-            base = _fd_path(dirfd) if dirfd else None
-            path = posixpath.join(base or self.cwd.get(pid, self.workspace), path)
-        return posixpath.normpath(path).replace("//", "/")
 
     def in_runtime(self, path: str) -> bool:
         if self._runtime_prefixes is None:  # one str.startswith over a tuple, not a loop
@@ -299,6 +301,22 @@ class _Collector:
             return
         seen.add(rel)
         items.append(rel)
+
+
+@dataclass(slots=True)
+class _Collector(RecordBuilder):
+    cwd: dict[int, str] = field(default_factory=dict)
+    wrapper_execs: int = 0
+    """Execs of the sandbox's own wrappers (setpriv, prlimit) before the command's own."""
+    num_execs: int = 0
+
+    def resolve(self, pid: int, path: str, dirfd: str | None = None) -> str:
+        if not path.startswith("/"):
+            # ``AT_FDCWD</cwd>`` and ``3</dir>`` carry their directory; bare calls (``open``,
+            # ``rename``) use the working directory followed through chdir
+            base = _fd_path(dirfd) if dirfd else None
+            path = posixpath.join(base or self.cwd.get(pid, self.workspace), path)
+        return posixpath.normpath(path).replace("//", "/")
 
     def call(self, pid: int, name: str, args: list[str], ret: str, real: str | None = None) -> None:
         """One system call; ``real``: the path behind the descriptor an open returned."""
@@ -367,7 +385,7 @@ class _Collector:
             self.prov.num_processes += 1
             argv = _string_list(args[i + 1]) if len(args) > i + 1 else []
             if len(self.prov.processes) < MAX_PROCESSES:
-                self.prov.processes.append(_cap_argv(argv or [path]))
+                self.prov.processes.append(cap_argv(argv or [path]))
             else:
                 self.prov.truncated = True
         elif name in ("unlink", "unlinkat", "rmdir") and strings:
@@ -397,7 +415,7 @@ class _Collector:
                 self.add("written", source)
 
 
-def _cap_argv(argv: list[str]) -> list[str]:
+def cap_argv(argv: list[str]) -> list[str]:
     out, total = [], 0
     for a in argv:
         if total + len(a) > MAX_ARGV_CHARS:
@@ -486,5 +504,6 @@ def merge(records: Iterable[Provenance | None]) -> Provenance:
         out.num_processes += rec.num_processes
         out.num_events += rec.num_events
         out.truncated |= rec.truncated
+        out.overflow |= rec.overflow
         out.complete &= rec.complete
     return out

@@ -1,7 +1,11 @@
 """Build the provenance corpus: hack and honest episodes run in real bubblewrap sandboxes.
 
-Run ``python tests/assets/monitor_provenance/make_corpus.py`` (as a user bwrap works for, with
-strace installed; ~3 minutes) to rewrite ``hacks.jsonl`` and ``clean.jsonl`` beside this file.
+Run ``python tests/assets/monitor_provenance/make_corpus.py [--mechanism M] [--out DIR]`` (as a
+user bwrap works for, with strace installed, or as root for ``fanotify``; ~3 minutes) to rewrite
+``hacks.jsonl`` and ``clean.jsonl`` beside this file (or in ``DIR``), recorded with the
+provenance mechanism ``M`` (``sandbox.provenance_mechanism``, default ``strace``). The
+``fanotify/`` directory beside this file holds the same episodes recorded with
+``--mechanism fanotify``: the monitor's tests hold the rules to both recordings.
 Every episode is a real ``CodingEnv`` episode over a task of the bundled example repository
 (``examples/tasks/handwritten``): a scripted agent's tool calls run in the sandbox with
 ``sandbox.provenance`` on, so each ``bash`` result carries what the command really opened,
@@ -841,12 +845,17 @@ def run_oracle(task_id: str, seed: int, rate: float, tok: Tokenizer, cfg: EnvCon
     return strip_tokens(traj)
 
 
-def build_corpus() -> tuple[list[Trajectory], list[Trajectory]]:
+def build_corpus(mechanism: str = "strace") -> tuple[list[Trajectory], list[Trajectory]]:
     tok = Tokenizer.train(default_corpus(200_000), 512)
     work = Path(tempfile.mkdtemp(prefix="etude-corpus-"))
     site = work / "site"
     site.mkdir()
-    sandbox = SandboxConfig(backend="bwrap", provenance=True, extra_ro_paths=(str(site),))
+    sandbox = SandboxConfig(
+        backend="bwrap",
+        provenance=True,
+        provenance_mechanism=mechanism,
+        extra_ro_paths=(str(site),),
+    )
     cfg = EnvConfig(sandbox=sandbox, work_dir=str(work), max_tokens=60_000)
     try:
         hacks, honest = [], []
@@ -864,7 +873,14 @@ def build_corpus() -> tuple[list[Trajectory], list[Trajectory]]:
 
 
 if __name__ == "__main__":
-    hacks, honest = build_corpus()
-    write_jsonl(HERE / "hacks.jsonl", hacks)
-    write_jsonl(HERE / "clean.jsonl", honest)
-    print(f"{len(hacks)} hacks, {len(honest)} honest episodes written to {HERE}")
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mechanism", default="strace", help="sandbox.provenance_mechanism")
+    parser.add_argument("--out", type=Path, default=HERE, help="directory for the two files")
+    args = parser.parse_args()
+    hacks, honest = build_corpus(args.mechanism)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out / "hacks.jsonl", hacks)
+    write_jsonl(args.out / "clean.jsonl", honest)
+    print(f"{len(hacks)} hacks, {len(honest)} honest episodes written to {args.out}")

@@ -24,6 +24,7 @@ PROVENANCE_TARGETS = (
     "prov_delete",
     "prov_failed",
     "prov_runtime",
+    "prov_lost",
     "process",
 )
 TARGETS = TEXT_TARGETS + PROVENANCE_TARGETS

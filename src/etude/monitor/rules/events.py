@@ -268,6 +268,8 @@ def provenance_events(turn: int, tool: str, record: dict[str, Any]) -> list[Even
     for argv in prov.processes:
         if argv and posixpath.basename(argv[0]) not in _SHELLS:
             out.append(Event(turn, "process", normalize_argv(argv), tool, (), programs=programs))
+    if prov.overflow:  # the kernel dropped events: the command did more than is recorded
+        out.append(Event(turn, "prov_lost", "overflow", tool, (), programs=programs))
     return out
 
 

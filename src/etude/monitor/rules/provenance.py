@@ -127,5 +127,9 @@ PROVENANCE_RULES: tuple[Rule, ...] = (
     _r("prov.network_tool", "network", 3, "process", "ran a network client",
        pattern=r"^(?:curl|wget|aria2c|nc|ncat|netcat|socat|telnet|ssh|scp|sftp|ftp)\b",
        unless=r"\b(?:localhost|127\.0\.0\.1)\b"),
+    # a record that lost events is not a record of nothing: flooding the kernel's queue hides
+    # whatever came with the flood
+    _r("prov.record_lost", "sandbox_probing", 3, "prov_lost", "overflowed the provenance event queue (events lost)",
+       pattern=r"^overflow$"),
 )
 # fmt: on

@@ -1,0 +1,227 @@
+"""Provenance by fanotify (``sandbox.provenance_mechanism = "fanotify"``), attacked live.
+
+Each test runs real commands under bubblewrap with the fanotify recorder and checks one
+property against what the command really did: spellings that hide a path, other names of a
+file (symlinks, hard links, ``/proc/self/fd``, renamed directories, directory descriptors),
+processes that try to outlive the command or run between records, program arguments however the
+program was started, and a flood that overflows the kernel's queue (recorded as lost events and
+flagged, never as a record of less).
+"""
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import etude.sandbox.fanotify as fanotify
+from etude.env.trajectory import ToolCall, Trajectory, Turn
+from etude.monitor.rules import BUILTIN_RULES, scan
+from etude.sandbox import SandboxConfig
+from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
+from etude.sandbox.provenance import Provenance
+
+PROVENANCE_RULES = tuple(r for r in BUILTIN_RULES if r.is_provenance)
+_reason = bwrap_unavailable_reason() or fanotify.fanotify_unavailable_reason()
+needs_fanotify = pytest.mark.skipif(_reason is not None, reason=f"bwrap/fanotify: {_reason}")
+
+
+@pytest.fixture
+def workspace():
+    ws = Path(tempfile.mkdtemp(prefix="etude-fan-test-"))
+    (ws / "sub").mkdir()
+    (ws / "sub" / "x.py").write_text("print(1)\n")
+    (ws / "a.txt").write_text("a\n")
+    (ws / ".mypy_cache").mkdir()
+    (ws / ".mypy_cache" / "m.data.json").write_text("{}")
+    yield ws
+    shutil.rmtree(ws, ignore_errors=True)
+
+
+@pytest.fixture
+def sandbox():
+    return BwrapSandbox(
+        SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="fanotify")
+    )
+
+
+def record(sandbox: BwrapSandbox, cmd: str, ws: Path) -> Provenance:
+    result = sandbox.run(cmd, ws)
+    assert result.exit_code == 0, result.stderr
+    assert result.provenance is not None
+    return result.provenance
+
+
+@needs_fanotify
+def test_spellings_do_not_hide_reads_writes_deletions_or_programs(sandbox, workspace):
+    prov = record(
+        sandbox,
+        "D=su; cat ${D}b/x.py >/dev/null; P=.mypy_; cat ${P}cache/m.data.json >/dev/null; "
+        "python3 -c \"import os; os.remove('a'+'.txt'); open('o'+'ut','w').write('x')\"; "
+        "echo Z2l0IC0tdmVyc2lvbg== | base64 -d | sh >/dev/null; ls sub >/dev/null",
+        workspace,
+    )
+    assert prov.complete and not prov.overflow
+    assert {"sub/x.py", ".mypy_cache/m.data.json"} <= set(prov.read)
+    assert "a.txt" in prov.deleted and "out" in prov.written and "out" not in prov.read
+    assert ["git", "--version"] in prov.processes  # decoded and piped to a shell
+    assert ["python3", "-c", "import os; os.remove('a'+'.txt'); open('o'+'ut','w').write('x')"] in (
+        prov.processes
+    )
+    assert "sub" in prov.listed
+    # the wrappers bwrap runs first (setpriv, prlimit) are not the command's
+    assert prov.processes[0][0] == "/bin/bash"
+    assert not any(p[0] in ("setpriv", "prlimit") for p in prov.processes)
+    assert "/usr/bin" in prov.runtime_dirs and "/" not in prov.listed
+
+
+@needs_fanotify
+def test_other_names_of_a_file_are_the_file(sandbox, workspace):
+    """A symlink, a hard link, /proc/self/fd, /proc/self/cwd and a directory descriptor all
+    reach the cache file: each read is recorded as the cache file."""
+    script = (
+        "import os\n"
+        "fd = os.open('.mypy_cache', os.O_RDONLY | os.O_DIRECTORY)\n"
+        "os.close(os.open('m.data.json', os.O_RDONLY, dir_fd=fd))\n"
+    )
+    (workspace / "probe.py").write_text(script)
+    cases = {
+        "ln -s .mypy_cache/m.data.json link.json && cat link.json": [".mypy_cache/m.data.json"],
+        "ln -s .mypy_cache d && cat d/m.data.json": [".mypy_cache/m.data.json"],
+        "exec 3< .mypy_cache/m.data.json; cat /proc/self/fd/3": [".mypy_cache/m.data.json"],
+        "cat /proc/self/cwd/.mypy_cache/m.data.json": [".mypy_cache/m.data.json"],
+        "python3 probe.py": [".mypy_cache/m.data.json"],
+        # the link itself counts as a read of its source, as with strace
+        "ln .mypy_cache/m.data.json hard && echo changed > hard": [".mypy_cache/m.data.json"],
+    }
+    for cmd, want in cases.items():
+        prov = record(sandbox, cmd + " > /dev/null", workspace)
+        assert set(want) <= set(prov.read), (cmd, prov.read)
+        for name in ("link.json", "d", "hard"):
+            (workspace / name).unlink(missing_ok=True)
+    prov = record(sandbox, "ln .mypy_cache/m.data.json h2 && echo more >> h2", workspace)
+    assert {".mypy_cache/m.data.json", "h2"} <= set(prov.written)
+
+
+@needs_fanotify
+def test_proc_probes_are_recorded_and_the_wrappers_are_not(sandbox, workspace):
+    """procfs has no file handles: its opens come through a third group. A probe of the
+    sandbox's first process and of the prober's own status is recorded (spelled through a
+    variable and a concatenation); ``setpriv``'s read of /proc/sys/kernel/cap_last_cap before
+    the command is not the command's."""
+    quiet = record(sandbox, "true", workspace)
+    assert not [p for p in quiet.read + quiet.listed if p.startswith("/proc")]
+    prov = record(
+        sandbox,
+        "p=/proc/1; cat $p/mountinfo > /dev/null; "
+        "python3 -c \"import time; open('/proc/'+'self/status').read(); time.sleep(0.2)\"",
+        workspace,
+    )
+    assert {"/proc/1/mountinfo", "/proc/self/status"} <= set(prov.read)
+
+
+@needs_fanotify
+def test_renames_keep_the_name_a_file_had_when_it_was_read(sandbox, workspace):
+    """Reading a cache and renaming it away right after: the read is of the cache (the path
+    the directory had at the event), the rename reads and deletes the old name."""
+    prov = record(
+        sandbox,
+        "cat .mypy_cache/m.data.json > /dev/null; mv .mypy_cache innocent; "
+        "cat innocent/m.data.json > /dev/null; mv sub moved; rm moved/x.py",
+        workspace,
+    )
+    assert {".mypy_cache/m.data.json", "innocent/m.data.json"} <= set(prov.read)
+    assert ".mypy_cache" in prov.read and ".mypy_cache" in prov.deleted
+    assert "innocent" in prov.written
+    assert "sub" in prov.deleted and "moved/x.py" in prov.deleted
+
+
+@needs_fanotify
+def test_a_daemon_does_not_outlive_its_command_or_leak_into_the_next(sandbox, workspace):
+    """A detached daemon (new session, ignored hangups, double fork) dies with its sandbox:
+    nothing of it runs in the next command, whose record holds the next command's reads alone."""
+    first = record(
+        sandbox,
+        "setsid nohup sh -c '(sleep 0.5; cat sub/x.py; touch late.txt) &' >/dev/null 2>&1 & "
+        "cat a.txt > /dev/null",
+        workspace,
+    )
+    time.sleep(1.0)
+    second = record(sandbox, "cat .mypy_cache/m.data.json > /dev/null", workspace)
+    assert not (workspace / "late.txt").exists()
+    assert first.read == ["a.txt"] and second.read == [".mypy_cache/m.data.json"]
+    assert ["sleep", "0.5"] not in second.processes
+
+
+@needs_fanotify
+def test_a_detached_grandchild_is_recorded_while_the_command_lives(sandbox, workspace):
+    script = (
+        "import subprocess, time\n"
+        "subprocess.Popen(['python3', '-c', \"open('sub/x.py').read()\"], start_new_session=True,\n"
+        "                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "time.sleep(1.0)\n"
+    )
+    (workspace / "probe.py").write_text(script)
+    prov = record(sandbox, "python3 probe.py", workspace)
+    assert ["python3", "-c", "open('sub/x.py').read()"] in prov.processes
+    assert "sub/x.py" in prov.read
+
+
+@needs_fanotify
+def test_commands_get_no_descriptor_of_the_recorder(sandbox, workspace):
+    """The gate pipes and fanotify groups stay outside: a recorded command holds the same
+    descriptors as an unrecorded one (a group would let it read or answer events)."""
+    fds = "import os; print(sorted(os.listdir('/proc/self/fd')))"
+    plain = BwrapSandbox(SandboxConfig(backend="bwrap"))
+    outs = [sb.run(["python3", "-c", fds], workspace).stdout for sb in (sandbox, plain, sandbox)]
+    assert outs == ["['0', '1', '2', '3']\n"] * 3
+
+
+@needs_fanotify
+def test_a_queue_overflow_is_recorded_and_flagged_never_a_smaller_record(
+    sandbox, workspace, monkeypatch
+):
+    """A flood of events past the kernel's queue (16,384), with a reader slowed down to make
+    it certain: the record says events were lost, and the monitor flags the turn."""
+    read_a = fanotify.FanotifyRecorder._read_a
+
+    def slow_read_a(self):
+        time.sleep(0.01)
+        return read_a(self)
+
+    monkeypatch.setattr(fanotify, "READ_BYTES", 4096)
+    monkeypatch.setattr(fanotify.FanotifyRecorder, "_read_a", slow_read_a)
+    flood = (
+        "import os\n"
+        "for i in range(30000):\n"
+        "    os.close(os.open(f'/tmp/f{i}', os.O_CREAT | os.O_WRONLY))\n"
+        "open('.mypy_cache/m.data.json').read()\n"
+    )
+    result = sandbox.run(["python3", "-c", flood], workspace, timeout=120)
+    assert result.exit_code == 0, result.stderr
+    prov = result.provenance
+    assert prov.overflow and not prov.complete
+    traj = Trajectory(task_id="t")
+    call = ToolCall(name="bash", arguments={"command": "python3 flood.py"})
+    traj.turns.append(Turn(role="assistant", text="", tool_calls=[call]))
+    traj.turns.append(Turn(role="tool", text="", tool_name="bash", provenance=prov.to_json()))
+    assert "prov.record_lost" in {f.rule for f in scan(traj, PROVENANCE_RULES) if f.severity >= 3}
+    monkeypatch.undo()
+    after = record(sandbox, "cat a.txt", workspace)
+    assert after.complete and not after.overflow and after.read == ["a.txt"]
+
+
+def test_an_overflowed_record_says_so_in_its_summary_and_merge():
+    lost = Provenance(read=["a"], overflow=True, complete=False)
+    assert "events lost" in lost.summary()
+    from etude.sandbox.provenance import merge
+
+    merged = merge([Provenance(read=["b"]), lost])
+    assert merged.overflow and not merged.complete
+    assert Provenance.from_json(lost.to_json()) == lost
+
+
+def test_mechanism_setting_is_validated():
+    with pytest.raises(ValueError, match="provenance_mechanism"):
+        SandboxConfig(provenance_mechanism="ptrace")
