@@ -9,6 +9,7 @@ flagged, never as a record of less).
 """
 
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -152,6 +153,20 @@ def test_a_daemon_does_not_outlive_its_command_or_leak_into_the_next(sandbox, wo
     assert not (workspace / "late.txt").exists()
     assert first.read == ["a.txt"] and second.read == [".mypy_cache/m.data.json"]
     assert ["sleep", "0.5"] not in second.processes
+
+
+@needs_fanotify
+def test_work_on_the_host_between_commands_is_no_commands(sandbox, workspace):
+    """The sandbox keeps its queues (and the marks on workspace directories) between commands:
+    what another process does in the workspace in between is not the next command's."""
+    record(sandbox, "true", workspace)
+    subprocess.run(
+        ["sh", "-c", "touch host.txt && mkdir hostdir && mv host.txt hostdir/ && rm -r hostdir"],
+        cwd=workspace,
+        check=True,
+    )
+    prov = record(sandbox, "cat a.txt > /dev/null", workspace)
+    assert prov.read == ["a.txt"] and prov.written == [] and prov.deleted == []
 
 
 @needs_fanotify

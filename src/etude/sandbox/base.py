@@ -436,12 +436,15 @@ def run_process_tree(
     preexec_fn: Callable[[], None] | None = None,
     pass_fds: Sequence[int] = (),
     spawner: Spawner | None = None,
+    watch: Sequence[tuple[int, Callable[[], None]]] = (),
 ) -> Result:
     """Run ``argv`` in a new session; kill its process group on the deadline and after it exits.
 
     The leader is reaped only at the very end, so every ``killpg`` targets our group: a group id
     stays allocated while its leader is an unreaped zombie. ``spawner`` starts the leader
-    (default: ``Popen`` here).
+    (default: ``Popen`` here). ``watch``: descriptors to serve while the command runs, each with
+    the function called when it is readable (the fanotify recorder's event queues: served here,
+    by the thread that waits anyway, no thread of their own).
     """
     start = time.monotonic()
     deadline = start + timeout_s
@@ -486,6 +489,8 @@ def run_process_tree(
     sel = selectors.DefaultSelector()
     for fd in streams:
         sel.register(fd, selectors.EVENT_READ)
+    for fd, serve in watch:
+        sel.register(fd, selectors.EVENT_READ, serve)
     # a pidfd turns "the leader exited" into a selectable event (Linux >= 5.3); else poll
     pidfd = os.pidfd_open(leader.pid) if hasattr(os, "pidfd_open") else None
     if pidfd is not None:
@@ -506,6 +511,9 @@ def run_process_tree(
                 continue
             wait = limit - now if pidfd is not None or exited else min(limit - now, 0.005)
             for key, _ in sel.select(wait):
+                if key.data is not None:
+                    key.data()
+                    continue
                 if key.fd == pidfd:
                     continue
                 data = os.read(key.fd, READ_CHUNK)

@@ -79,7 +79,7 @@ from etude.sandbox.base import (
     sandbox_env,
     shell_argv,
 )
-from etude.sandbox.fanotify import FanotifyRecorder, fanotify_unavailable_reason
+from etude.sandbox.fanotify import FanotifyGroups, FanotifyRecorder, fanotify_unavailable_reason
 from etude.sandbox.masking import foreign_package_dirs
 from etude.sandbox.tracer import EpisodeTracer
 
@@ -158,7 +158,7 @@ class BwrapSandbox:
         # first run; fanotify: a recorder per command
         mechanism = self.config.resolved_provenance_mechanism() if self.config.provenance else None
         self._tracer = EpisodeTracer() if mechanism == "strace" else None
-        self._fanotify = mechanism == "fanotify"
+        self._fanotify = FanotifyGroups() if mechanism == "fanotify" else None
         if self._fanotify and (reason := fanotify_unavailable_reason()) is not None:
             raise ValueError(
                 f"sandbox.provenance_mechanism='fanotify': {reason}; use "
@@ -351,9 +351,12 @@ class BwrapSandbox:
         return args + prlimit_argv(self.config, self.config.max_processes) + argv
 
     def close(self) -> None:
-        """Stop this sandbox's provenance tracer, if one runs (a later command starts another)."""
+        """Stop this sandbox's provenance tracer or release its fanotify groups, if it has them
+        (a later command starts or makes new ones)."""
         if self._tracer is not None:
             self._tracer.close()
+        if self._fanotify is not None:
+            self._fanotify.close()
 
     def run(
         self,
@@ -388,7 +391,7 @@ class BwrapSandbox:
             wrapper_execs = 3 if self._as_root else 2
 
             def run_as(uid: int | None) -> Result:
-                if self._fanotify:
+                if self._fanotify is not None:
                     return self._run_recorded(run, argv, ws, uid, filter_fd, wrapper_execs)
                 full = self.command(argv, ws, uid, seccomp_fd=seccomp_at)
                 if self._tracer is None:
@@ -421,18 +424,25 @@ class BwrapSandbox:
         seccomp_fd: int,
         wrapper_execs: int,
     ) -> Result:
-        """``run`` the command with a fanotify recorder (``etude.sandbox.fanotify``) watching it."""
-        recorder = FanotifyRecorder(
-            workspace=str(ws),
-            runtime_roots=self._runtime_roots(),
-            wrapper_execs=wrapper_execs,
-            host_roots=[(self._etc, "/etc")],
-        )
-        full = self.command(argv, ws, uid, seccomp_fd=seccomp_fd, bwrap_extra=recorder.bwrap_args())
-        try:
-            result = run(full, spawner=recorder.spawner(popen_spawner()))
-        finally:
-            prov = recorder.finish()
+        """``run`` the command with a fanotify recorder (``etude.sandbox.fanotify``) watching
+        it; the sandbox's commands take turns on its event queues."""
+        groups = self._fanotify
+        assert groups is not None
+        with groups.lock:
+            recorder = FanotifyRecorder(
+                groups.get(),
+                workspace=str(ws),
+                runtime_roots=self._runtime_roots(),
+                wrapper_execs=wrapper_execs,
+                host_roots=[(self._etc, "/etc")],
+            )
+            gate = recorder.bwrap_args()
+            full = self.command(argv, ws, uid, seccomp_fd=seccomp_fd, bwrap_extra=gate)
+            try:
+                spawner = recorder.spawner(popen_spawner())
+                result = run(full, spawner=spawner, watch=recorder.watches())
+            finally:
+                prov = recorder.finish()
         if recorder.started:
             result.provenance = prov
         return result

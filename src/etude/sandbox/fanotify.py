@@ -68,12 +68,12 @@ import os
 import platform
 import posixpath
 import re
-import select
 import stat
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from etude.sandbox.base import Leader, Spawner
@@ -98,12 +98,14 @@ GROUP_A_FLAGS = FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_REPORT_DIR_FID | FAN_REPO
 GROUP_A_FLAGS |= FAN_REPORT_TARGET_FID
 EXEC_SYSCALLS = {"x86_64": (59, 322), "aarch64": (221, 281)}
 """``execve`` and ``execveat`` numbers per machine (as ``/proc/PID/syscall`` shows them)."""
-ELF_INTERPRETERS = ("ld-linux", "ld.so", "ld-musl", "ld64.so")
+_MACHINE = platform.machine()
+ELF_INTERPRETERS = (b"ld-linux", b"ld.so", b"ld-musl", b"ld64.so")
 """Names of dynamic loaders: the kernel opens them for exec too (not a program of their own)."""
 _PROC_OWN = re.compile(r"^/proc/(?!1(?:/|$))\d+(?=/|$)")
 _PROC_THREAD = re.compile(r"^/proc/self/task/\d+(?=/|$)")
 _META = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
 _INFO = struct.Struct("=BBH")  # struct fanotify_event_info_header
+_U16, _U32 = struct.Struct("=H"), struct.Struct("=I")
 READ_BYTES = 1 << 18
 BLOCK_TIMEOUT_S = 30.0
 """How long ``bwrap`` may take to build the sandbox before the command is released."""
@@ -157,7 +159,7 @@ def dir_handle(path: str) -> bytes | None:
 @functools.lru_cache(maxsize=1)
 def fanotify_unavailable_reason() -> str | None:
     """None when this process may use fanotify with file handles and permission events."""
-    if platform.machine() not in EXEC_SYSCALLS:
+    if _MACHINE not in EXEC_SYSCALLS:
         return f"fanotify provenance reads execve arguments on {sorted(EXEC_SYSCALLS)} only"
     fds = []
     try:
@@ -191,23 +193,65 @@ class _Gate:
                 os.close(fd)
 
 
+class FanotifyGroups:
+    """The three fanotify groups of one sandbox (an episode), made by its first command and
+    kept: closing a group waits for the kernel to free its marks (an RCU grace period, 20-40 ms
+    here), so it happens once, off the commands' path (a thread of its own). The marks on a
+    command's mounts go with the mounts; those on workspace directories stay (marking one again
+    costs nothing)."""
+
+    def __init__(self) -> None:
+        self._fds: tuple[int, int, int] | None = None
+        self._owner = -1
+        self._finalizer: weakref.finalize | None = None
+        self.lock = threading.Lock()
+        """Held for each command: the queues are the sandbox's, so its commands run one at a
+        time (as on one strace tracer)."""
+
+    def get(self) -> tuple[int, int, int]:
+        """Groups A, B and C (module docstring), made on first use and after a fork (the
+        child must not share its parent's queues)."""
+        if self._fds is None or self._owner != os.getpid():
+            group_a = fanotify_init(GROUP_A_FLAGS)
+            group_b = fanotify_init(FAN_CLASS_CONTENT, os.O_RDONLY | os.O_LARGEFILE)
+            # procfs has no file handles and refuses permission events: its opens come with a
+            # descriptor of the file, reopened by the kernel when the event is read (or an error)
+            try:
+                group_c = fanotify_init(FAN_CLASS_NOTIF | FAN_REPORT_FD_ERROR)
+            except OSError:  # Linux < 6.13: a file that cannot be reopened fails the read
+                group_c = fanotify_init(FAN_CLASS_NOTIF)
+            self._fds = (group_a, group_b, group_c)
+            self._owner = os.getpid()
+            self._finalizer = weakref.finalize(self, _close_later, self._fds)
+        return self._fds
+
+    def close(self) -> None:
+        if self._finalizer is not None and self._owner == os.getpid():
+            self._finalizer()
+        self._fds = self._finalizer = None
+
+
 class FanotifyRecorder:
-    """Records one command run under ``bwrap`` (module docstring); used once.
+    """Records one command run under ``bwrap`` (module docstring), through a sandbox's groups.
 
     ``wrapper_execs``: the programs ``bwrap`` runs before the command, itself included (their
     executions are not the command's; ``bwrap``'s own comes before the marks and is not seen).
     ``host_roots``: ``(host path, sandbox path)`` of binds whose source lies elsewhere on the host
-    (the sandbox's private ``/etc``), to report paths as the command saw them.
+    (the sandbox's private ``/etc``), to report paths as the command saw them. The command's
+    runner serves the queues while it waits for the command (``watches``), then ``finish``
+    drains them.
     """
 
     def __init__(
         self,
+        groups: tuple[int, int, int],
         *,
         workspace: str,
         runtime_roots: Iterable[str],
         wrapper_execs: int,
         host_roots: Sequence[tuple[str, str]] = (),
     ) -> None:
+        self.group_a, self.group_b, self.group_c = groups
         self.workspace = workspace.rstrip("/")
         self.builder = RecordBuilder(workspace=self.workspace, runtime_roots=tuple(runtime_roots))
         self.skip_execs = max(0, wrapper_execs - 1)
@@ -219,36 +263,38 @@ class FanotifyRecorder:
         self.host_roots = [(h.rstrip("/"), s.rstrip("/")) for h, s in host_roots]
         self.gate = _Gate()
         self._block_fd = self.gate.block_r  # its number in bwrap too (passed at the same number)
-        self.group_a = fanotify_init(
-            FAN_CLASS_NOTIF
-            | FAN_REPORT_FID
-            | FAN_REPORT_DIR_FID
-            | FAN_REPORT_NAME
-            | FAN_REPORT_TARGET_FID
-        )
-        self.group_b = fanotify_init(FAN_CLASS_CONTENT, os.O_RDONLY | os.O_LARGEFILE)
-        # procfs has no file handles and refuses permission events: its opens come with a
-        # descriptor of the file, reopened by the kernel when the event is read (or the error)
-        try:
-            self.group_c = fanotify_init(FAN_CLASS_NOTIF | FAN_REPORT_FD_ERROR)
-        except OSError:  # Linux < 6.13: a file that cannot be reopened fails the read instead
-            self.group_c = fanotify_init(FAN_CLASS_NOTIF)
-        self.stop_r, self.stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._dirs: dict[bytes, str] = {}  # fsid + handle of a directory -> its path
         self._mount_fds: dict[bytes, int] = {}  # fsid -> a directory on that file system
         self._flags: dict[str, int] = {}  # path -> union of the event bits seen on it
         self._last_exec: dict[int, tuple[int, ...]] = {}  # pid -> its last execve's arguments
         self._root_pid = -1
         self._command_started = False
-        self._thread: threading.Thread | None = None
         self.started = False
         """Whether ``bwrap`` was started (a command that could not start has no record)."""
         self.overflow = False
         self.complete = True
         self.num_events = 0
         self.error: str | None = None
-        """Why the reader thread stopped early (the record is then incomplete)."""
+        """Why events stopped being read (the record is then incomplete)."""
+        self._discard_pending()
         self._mark_workspace()
+
+    def _discard_pending(self) -> None:
+        """Events queued since the last command are not this one's (this process's own work
+        in the workspace, a previous overflow): read and drop them."""
+        for group in (self.group_a, self.group_b, self.group_c):
+            while True:
+                try:
+                    buf = os.read(group, READ_BYTES)
+                except BlockingIOError:
+                    break
+                except OSError:  # Linux < 6.13, group C: a file that could not be reopened
+                    continue
+                for _, fd in _events(buf):
+                    if group == self.group_b:
+                        _allow(group, fd)
+                    elif fd >= 0:
+                        os.close(fd)
 
     # ------------------------------------------------------------------ set-up
 
@@ -288,8 +334,6 @@ class FanotifyRecorder:
                 if child is not None:
                     self._bwrap_pid = child
                     self._mark_mounts(child)
-                    self._thread = threading.Thread(target=self._read_loop, daemon=True)
-                    self._thread.start()
                 else:
                     self.complete = False
             finally:
@@ -364,32 +408,25 @@ class FanotifyRecorder:
 
     # ------------------------------------------------------------------ events
 
-    def _read_loop(self) -> None:
+    def watches(self) -> list[tuple[int, Callable[[], None]]]:
+        """The queues and their readers, for ``run_process_tree(watch=...)``: served by the
+        thread that waits for the command anyway (no thread of their own, no hand-off)."""
+        return [
+            (self.group_b, functools.partial(self._serve, self._read_b)),
+            (self.group_a, functools.partial(self._serve, self._read_a)),
+            (self.group_c, functools.partial(self._serve, self._read_c)),
+        ]
+
+    def _serve(self, read: Callable[[], bool]) -> None:
+        if self.error is not None:
+            self._discard_pending()  # keep the queues moving; the record says it is incomplete
+            return
         try:
-            self._read_events()
-        except Exception as e:  # noqa: BLE001 - the command must not hang on a dead reader
+            read()
+        except Exception as e:  # noqa: BLE001 - the command must not hang on a broken reader
             self.error = f"{type(e).__name__}: {e}"
             self.complete = False
-            # a closed group lets every held execve go on (unrecorded: the record says so)
-            os.close(self.group_b)
-            self.group_b = -1
-
-    def _read_events(self) -> None:
-        poller = select.poll()
-        for fd in (self.group_a, self.group_b, self.group_c, self.stop_r):
-            poller.register(fd, select.POLLIN)
-        while True:
-            ready = {fd for fd, _ in poller.poll()}
-            if self.group_b in ready:
-                self._read_b()
-            if self.group_a in ready:
-                self._read_a()
-            if self.group_c in ready:
-                self._read_c()
-            if self.stop_r in ready:
-                break
-        while self._read_b() | self._read_a() | self._read_c():  # drain (the command has ended)
-            pass
+            self._discard_pending()
 
     def _read_b(self) -> bool:
         """Permission events: record the argv of each ``execve``, then let it go on."""
@@ -406,20 +443,18 @@ class FanotifyRecorder:
                 continue
             try:
                 self._exec_event(fd, pid)
+            except Exception as e:  # noqa: BLE001 - every held execve must be answered
+                self.error = f"{type(e).__name__}: {e}"
+                self.complete = False
             finally:
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.write(self.group_b, struct.pack("=iI", fd, FAN_ALLOW))
-                    os.close(fd)
+                _allow(self.group_b, fd)
         return True
 
     def _exec_event(self, fd: int, pid: int) -> None:
-        program = self._sandbox_path(os.readlink(f"/proc/self/fd/{fd}"))
-        args = _exec_args(pid)
-        key = args[0] if args else ()
-        if self._last_exec.get(pid) == key and key:
+        call = _exec_call(pid)
+        if call is not None and self._last_exec.get(pid) == call:
             return  # the same execve opening its interpreter (a script's, then ld.so)
-        self._last_exec[pid] = key
+        self._last_exec[pid] = call or ()
         if self._root_pid < 0:
             self._root_pid = pid
         if self.skip_execs and pid == self._root_pid:
@@ -431,7 +466,8 @@ class FanotifyRecorder:
             while self._read_c():
                 pass
             self._command_started = True
-        argv = args[1] if args else [program]
+        program = self._sandbox_path(os.readlink(f"/proc/self/fd/{fd}"))
+        argv = _read_argv(pid, call) if call is not None else []
         self.builder.add("executed", program)
         self.builder.prov.num_processes += 1
         if len(self.builder.prov.processes) < MAX_PROCESSES:
@@ -484,48 +520,53 @@ class FanotifyRecorder:
             buf = os.read(self.group_a, READ_BYTES)
         except BlockingIOError:
             return False
+        flags, dirs, skip = self._flags, self._dirs, (self._bwrap_pid, self._own_pid)
         off = 0
         while off + _META.size <= len(buf):
-            length, _, _, meta_len, mask, fd, pid = _META.unpack_from(buf, off)
-            end, off, at = off + length, off + length, off + meta_len
+            length, _, _, meta_len, mask, _, pid = _META.unpack_from(buf, off)
+            at, end = off + meta_len, off + length
+            off = end
             if mask & FAN_Q_OVERFLOW:
                 self.overflow = True
                 continue
+            if pid in skip:
+                continue  # bwrap's first process, and this one's look at the mounts
             self.num_events += 1
-            names: dict[int, tuple[bytes, str]] = {}
-            child = b""
-            while at + _INFO.size <= end:
-                kind, _, size = _INFO.unpack_from(buf, at)
-                fsid = buf[at + 4 : at + 12]
-                hsize = struct.unpack_from("=I", buf, at + 12)[0]
-                handle = fsid + buf[at + 16 : at + 20 + hsize]
-                if kind == INFO_FID:
-                    child = handle
-                else:
-                    raw = buf[at + 20 + hsize : at + size].split(b"\0", 1)[0]
-                    names[kind] = (handle, os.fsdecode(raw))
-                at += size
-            if self._wrapper_event(pid, mask, names):
+            if mask & DIR_EVENTS & ~FAN_ONDIR or buf[at] != INFO_DFID_NAME:
+                names, child = _info_records(buf, at, end)
+                name = names.get(INFO_DFID_NAME, (b"", b""))[1]
+                if not self._wrapper_event(pid, mask, name):
+                    self._event(mask, names, child)
                 continue
-            self._event(mask, names, child)
+            # the common case, an open, read, write or close of an entry of a directory:
+            # DFID_NAME first (struct fanotify_event_info_fid: header, fsid, file_handle, name)
+            size = _U16.unpack_from(buf, at + 2)[0]
+            hsize = _U32.unpack_from(buf, at + 12)[0]
+            name = buf[at + 20 + hsize : at + size].split(b"\0", 1)[0]
+            if self._a_execs < self.wrapper_execs and self._wrapper_event(pid, mask, name):
+                continue
+            handle = buf[at + 4 : at + 12] + buf[at + 16 : at + 20 + hsize]
+            base = dirs.get(handle) or self._resolve(handle)
+            if base is not None:
+                key = (base, name)
+                flags[key] = flags.get(key, 0) | mask
         return True
 
-    def _wrapper_event(self, pid: int, mask: int, names: dict[int, tuple[bytes, str]]) -> bool:
-        """Whether an event is the sandbox's own set-up, not the command's: ``bwrap``'s first
-        process (it stays the namespace's init and runs nothing), and the wrappers ``bwrap``
-        runs before the command (``setpriv``, ``prlimit``) up to the command's own ``execve``."""
-        if pid in (self._bwrap_pid, self._own_pid):
-            return True  # and this process's own look at the mounts while marking them
+    def _wrapper_event(self, pid: int, mask: int, name: bytes) -> bool:
+        """Whether an event is the wrappers' ``bwrap`` runs before the command (``setpriv``,
+        ``prlimit``), up to the command's own ``execve``: events of the first process until
+        its program executions reach ``wrapper_execs``."""
         if self._a_root_pid < 0:
             self._a_root_pid = pid  # the first process after bwrap's: it execs the wrappers
         if pid != self._a_root_pid or self._a_execs >= self.wrapper_execs:
             return False
-        entry = names.get(INFO_DFID_NAME)
-        if mask & FAN_OPEN_EXEC and entry and not entry[1].startswith(ELF_INTERPRETERS):
+        if mask & FAN_OPEN_EXEC and name and not name.startswith(ELF_INTERPRETERS):
             self._a_execs += 1  # the wrappers', then the command's program
         return self._a_execs < self.wrapper_execs
 
-    def _event(self, mask: int, names: dict[int, tuple[bytes, str]], child: bytes) -> None:
+    def _event(self, mask: int, names: dict[int, tuple[bytes, bytes]], child: bytes) -> None:
+        """A creation, deletion or rename in a workspace directory (or an event whose record
+        is not the common one)."""
         if mask & FAN_RENAME:
             old, new = names.get(INFO_OLD_DFID_NAME), names.get(INFO_NEW_DFID_NAME)
             src = self._join(*old) if old else None
@@ -552,17 +593,16 @@ class FanotifyRecorder:
                 self._maybe_link(path)
         elif mask & FAN_DELETE:
             self.builder.add("deleted", path)
-        else:
-            self._flags[path] = self._flags.get(path, 0) | mask
+        else:  # an access whose records came in another order
+            name = entry[1] if entry[1] not in (b"", b".") else b"."
+            key = (path if name == b"." else posixpath.dirname(path), name)
+            self._flags[key] = self._flags.get(key, 0) | mask
 
-    def _join(self, handle: bytes, name: str) -> str | None:
-        base = self._dirs.get(handle)
+    def _join(self, handle: bytes, name: bytes) -> str | None:
+        base = self._dirs.get(handle) or self._resolve(handle)
         if base is None:
-            base = self._resolve(handle)
-            if base is None:
-                return None
-            self._dirs[handle] = base
-        return base if name in (".", "") else posixpath.join(base, name)
+            return None
+        return base if name in (b".", b"") else posixpath.join(base, os.fsdecode(name))
 
     def _resolve(self, handle: bytes) -> str | None:
         """The path of a directory the cache does not know yet, as the sandbox sees it."""
@@ -579,9 +619,12 @@ class FanotifyRecorder:
             path = os.readlink(f"/proc/self/fd/{fd}")
         finally:
             os.close(fd)
+        if not path.startswith("/"):
+            return None
         # a host file system opens at its host path (the binds keep their paths but /etc's);
         # one of the sandbox alone (its /tmp) at the path the sandbox sees
-        return self._sandbox_path(path) if path.startswith("/") else None
+        self._dirs[handle] = path = self._sandbox_path(path)
+        return path
 
     def _sandbox_path(self, path: str) -> str:
         for host, sandbox in self.host_roots:
@@ -623,21 +666,16 @@ class FanotifyRecorder:
     # ------------------------------------------------------------------ result
 
     def finish(self) -> Provenance:
-        """Drain the queues and close everything: the record of the command."""
-        if self._thread is not None:
-            os.write(self.stop_w, b"x")
-            self._thread.join()
-        else:
-            while self._read_b() | self._read_a() | self._read_c():
-                pass
-        # closing a group waits for the kernel to free its marks (an RCU grace period, 20-40 ms
-        # here): a thread of its own does it, off the command's path
-        fds = [self.group_a, self.group_b, self.group_c, self.stop_r, self.stop_w]
-        fds += self._mount_fds.values()
-        fds = [fd for fd in fds if fd >= 0]
-        threading.Thread(target=_close_all, args=(fds,), daemon=True).start()
+        """Drain the queues (the command has ended: every event of it is queued) and release
+        this command's descriptors: the record of the command."""
+        readers = (self._read_b, self._read_a, self._read_c)
+        while self.error is None and any([read() for read in readers]):
+            pass
+        for fd in self._mount_fds.values():
+            os.close(fd)
         self.gate.close()
-        for path, mask in self._flags.items():
+        for (base, name), mask in self._flags.items():
+            path = base if name == b"." else f"{base.rstrip('/')}/{os.fsdecode(name)}"
             if mask & FAN_ONDIR:
                 if mask & FAN_OPEN:
                     self.builder.add("listed", path)
@@ -653,68 +691,107 @@ class FanotifyRecorder:
         return prov
 
 
+def _info_records(buf: bytes, at: int, end: int) -> tuple[dict[int, tuple[bytes, bytes]], bytes]:
+    """The information records of one group-A event: ``{kind: (directory handle, name)}`` and
+    the object's own handle (``b""`` when not reported). A handle is keyed with its file
+    system's id (``fsid + type + bytes``)."""
+    names: dict[int, tuple[bytes, bytes]] = {}
+    child = b""
+    while at + _INFO.size <= end:
+        kind, _, size = _INFO.unpack_from(buf, at)
+        hsize = _U32.unpack_from(buf, at + 12)[0]
+        handle = buf[at + 4 : at + 12] + buf[at + 16 : at + 20 + hsize]
+        if kind == INFO_FID:
+            child = handle
+        else:
+            names[kind] = (handle, buf[at + 20 + hsize : at + size].split(b"\0", 1)[0])
+        at += size
+    return names, child
+
+
+def _events(buf: bytes) -> Iterator[tuple[int, int]]:
+    """``(mask, fd)`` of each event in a read."""
+    off = 0
+    while off + _META.size <= len(buf):
+        length, _, _, _, mask, fd, _ = _META.unpack_from(buf, off)
+        off += length
+        yield mask, fd
+
+
+def _allow(group_b: int, fd: int) -> None:
+    """Let a held ``execve`` go on, and release its descriptor."""
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.write(group_b, struct.pack("=iI", fd, FAN_ALLOW))
+        os.close(fd)
+
+
 def _close_all(fds: Iterable[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
 
 
-def _exec_args(pid: int) -> tuple[tuple[int, ...], list[str]] | None:
-    """``(syscall args, argv)`` of ``pid``, held in an ``execve``/``execveat``; None when it is
-    not in one (the program's argv is then unknown)."""
-    for _ in range(200):  # the task may still be on its way into the wait
-        try:
-            with open(f"/proc/{pid}/syscall") as f:
-                state = f.read().split()
-        except OSError:
-            return None
-        if state and state[0] != "running":
-            break
-        time.sleep(0)
-    else:
-        return None
-    if not state or not state[0].isdigit():
-        return None
-    nr, args = int(state[0]), tuple(int(a, 16) for a in state[1:7])
-    execve, execveat = EXEC_SYSCALLS[platform.machine()]
-    if nr == execve:
-        argv_ptr = args[1]
-    elif nr == execveat:
-        argv_ptr = args[2]
-    else:
-        return None
+def _close_later(fds: Iterable[int]) -> None:
+    """Close fanotify groups from a thread of its own (each close waits for the kernel)."""
     try:
-        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        threading.Thread(target=_close_all, args=(tuple(fds),), daemon=True).start()
+    except RuntimeError:  # the interpreter is shutting down: no new threads
+        _close_all(fds)
+
+
+def _exec_call(pid: int) -> tuple[int, ...] | None:
+    """``(number, args...)`` of the ``execve``/``execveat`` ``pid`` is held in; None when it is
+    not in one (its argv is then unknown)."""
+    try:
+        fd = os.open(f"/proc/{pid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        return args, _read_argv(mem, argv_ptr)
+        for _ in range(200):  # the task may still be on its way into the wait
+            state = os.pread(fd, 256, 0).split()
+            if state and state[0] != b"running":
+                break
+            time.sleep(0)
+        else:
+            return None
+    except OSError:
+        return None
     finally:
-        os.close(mem)
+        os.close(fd)
+    if not state or not state[0].isdigit() or int(state[0]) not in EXEC_SYSCALLS[_MACHINE]:
+        return None
+    return (int(state[0]), *(int(a, 16) for a in state[1:7]))
 
 
-def _read_argv(mem: int, ptr: int) -> list[str]:
-    """The NUL-terminated array of string pointers at ``ptr`` in a process's memory (capped)."""
+def _read_argv(pid: int, call: tuple[int, ...]) -> list[str]:
+    """The argv an ``execve``/``execveat`` was called with: the NUL-terminated array of string
+    pointers in the caller's memory (capped at ``MAX_ARGS`` entries, 4 KiB of text)."""
+    ptr = call[2] if call[0] == EXEC_SYSCALLS[_MACHINE][0] else call[3]
     if ptr == 0:
         return []
-    pointers: list[int] = []
     try:
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        pointers: list[int] = []
         while len(pointers) < MAX_ARGS:
             raw = os.pread(mem, 8 * 64, ptr + 8 * len(pointers))
-            for (p,) in struct.iter_unpack("=Q", raw[: len(raw) // 8 * 8]):
-                if p == 0:
-                    break
-                pointers.append(p)
-            else:
-                if len(raw) < 8 * 64:
-                    break
-                continue
-            break
-        out, total = [], 0
+            words = [w for (w,) in struct.iter_unpack("=Q", raw[: len(raw) // 8 * 8])]
+            if 0 in words:
+                pointers += words[: words.index(0)]
+                break
+            pointers += words
+            if len(raw) < 8 * 64:
+                break
+        out, total, page, page_at = [], 0, b"", -1
         for p in pointers:
-            s = os.pread(mem, 512, p).split(b"\0", 1)[0]
-            out.append(os.fsdecode(s))
-            total += len(s)
+            if not page_at <= p < page_at + len(page) - 512:  # strings lie together: one read
+                page, page_at = os.pread(mem, 4096, p), p
+            text = page[p - page_at :].split(b"\0", 1)[0]
+            out.append(os.fsdecode(text))
+            total += len(text)
             if total > 4096:
                 break
         return out
@@ -722,3 +799,5 @@ def _read_argv(mem: int, ptr: int) -> list[str]:
         if e.errno in (errno.EIO, errno.EFAULT, errno.ESRCH):
             return []
         raise
+    finally:
+        os.close(mem)
