@@ -1,18 +1,21 @@
 """Monitor benchmarks: provenance overhead per sandboxed command, and monitor throughput.
 
 Provenance overhead: the same command in the same bubblewrap sandbox over a copy of a task
-workspace, with ``sandbox.provenance`` off and on, interleaved (off, on, off, on...) so that
-load from other jobs hits both alike; the figure is the ratio of the medians per command. The
-traced time includes parsing the command's log into its record. The tracer starts once per
-sandbox (episode), with the first command: ``tracer_start_ms`` is that first command's extra
-time over a warm one, measured on fresh sandboxes, and is not in the per-command ratios.
+workspace, with ``sandbox.provenance`` off and on with each mechanism (``strace``, ``fanotify``),
+interleaved (off, strace, fanotify, off...) so that load from other jobs hits all alike; the
+figure is the ratio of the medians per command. The recorded time includes turning the events
+into the command's record. The strace tracer starts once per sandbox (episode), with the first
+command: ``tracer_start_ms`` is that first command's extra time over a warm one, measured on
+fresh sandboxes, and is not in the per-command ratios (fanotify starts nothing per episode).
 Throughput: ``scan`` over the provenance corpus (real sandboxed episodes) with every rule, with
 the text rules alone and with the provenance rules alone, in trajectories per second.
 
     .venv/bin/python benchmarks/bench_monitor.py [--repeats 15]
 
 Prints a table and writes flat keys to ``benchmarks/results/bench_monitor.json``;
-``provenance_overhead`` is the geometric mean of the per-command ratios.
+``provenance_overhead_strace`` and ``provenance_overhead_fanotify`` are the geometric means of
+the per-command ratios, and ``provenance_overhead`` is the default mechanism's
+(``provenance_mechanism``). fanotify needs root; without it only strace is measured.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from etude.env.trajectory import read_jsonl
 from etude.monitor.rules import BUILTIN_RULES, TEXT_RULES, scan
 from etude.sandbox import SandboxConfig
 from etude.sandbox.bwrap import BwrapSandbox
+from etude.sandbox.fanotify import fanotify_unavailable_reason
 from etude.tasks.record import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,25 +61,33 @@ def time_command(sandbox: BwrapSandbox, cmd: str, ws: Path) -> float:
     return elapsed
 
 
-def bench_overhead(repeats: int) -> dict[str, float]:
+def bench_overhead(repeats: int) -> dict[str, float | str]:
+    mechanisms = ["strace"] + (["fanotify"] if fanotify_unavailable_reason() is None else [])
     plain = BwrapSandbox(SandboxConfig(backend="bwrap"))
-    traced = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
-    out: dict[str, float] = {}
+    recorded = {
+        m: BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism=m))
+        for m in mechanisms
+    }
+    out: dict[str, float | str] = {}
     with tempfile.TemporaryDirectory(prefix="etude-bench-monitor-") as tmp:
         ws = Path(tmp) / "ws"
         shutil.copytree(WORKSPACE, ws)
         for name, cmd in COMMANDS.items():
             time_command(plain, cmd, ws)  # warm the page cache and the private /etc
-            time_command(traced, cmd, ws)
-            off, on = [], []
+            for sandbox in recorded.values():
+                time_command(sandbox, cmd, ws)
+            times: dict[str, list[float]] = {"untraced": [], **{m: [] for m in mechanisms}}
             for _ in range(repeats):
-                off.append(time_command(plain, cmd, ws))
-                on.append(time_command(traced, cmd, ws))
-            out[f"untraced_ms_{name}"] = 1000 * statistics.median(off)
-            out[f"traced_ms_{name}"] = 1000 * statistics.median(on)
-            out[f"overhead_{name}"] = statistics.median(on) / statistics.median(off)
-            events = traced.run(cmd, ws, timeout=120).provenance
-            out[f"events_{name}"] = float(events.num_events if events else 0)
+                times["untraced"].append(time_command(plain, cmd, ws))
+                for m, sandbox in recorded.items():
+                    times[m].append(time_command(sandbox, cmd, ws))
+            base = statistics.median(times["untraced"])
+            out[f"untraced_ms_{name}"] = 1000 * base
+            for m, sandbox in recorded.items():
+                out[f"{m}_ms_{name}"] = 1000 * statistics.median(times[m])
+                out[f"overhead_{m}_{name}"] = statistics.median(times[m]) / base
+                prov = sandbox.run(cmd, ws, timeout=120).provenance
+                out[f"events_{m}_{name}"] = float(prov.num_events if prov else 0)
         starts = []
         for _ in range(3):
             fresh = BwrapSandbox(SandboxConfig(backend="bwrap", provenance=True))
@@ -84,10 +96,16 @@ def bench_overhead(repeats: int) -> dict[str, float]:
             starts.append(first - warm)
             fresh.close()
         out["tracer_start_ms"] = 1000 * statistics.median(starts)
-    traced.close()
-    ratios = [v for k, v in out.items() if k.startswith("overhead_")]
-    out["provenance_overhead"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    out["provenance_overhead_max"] = max(ratios)
+    for sandbox in recorded.values():
+        sandbox.close()
+    for m in mechanisms:
+        ratios = [float(out[f"overhead_{m}_{name}"]) for name in COMMANDS]
+        out[f"provenance_overhead_{m}"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        out[f"provenance_overhead_{m}_max"] = max(ratios)
+    default = SandboxConfig(provenance=True).resolved_provenance_mechanism()
+    out["provenance_mechanism"] = default
+    out["provenance_overhead"] = out[f"provenance_overhead_{default}"]
+    out["provenance_overhead_max"] = out[f"provenance_overhead_{default}_max"]
     return out
 
 
@@ -113,16 +131,25 @@ def main() -> None:
     args = parser.parse_args()
     results = {**bench_overhead(args.repeats), **bench_throughput(args.rounds)}
     results["repeats"] = float(args.repeats)
-    print(f"{'command':14s} {'untraced ms':>12s} {'traced ms':>10s} {'ratio':>6s} {'events':>7s}")
+    mechanisms = [m for m in ("strace", "fanotify") if f"provenance_overhead_{m}" in results]
+    head = "".join(f" {m + ' ms':>12s} {'ratio':>6s} {'events':>7s}" for m in mechanisms)
+    print(f"{'command':14s} {'untraced ms':>12s}{head}")
     for name in COMMANDS:
+        row = "".join(
+            f" {results[f'{m}_ms_{name}']:12.1f} {results[f'overhead_{m}_{name}']:6.2f}"
+            f" {results[f'events_{m}_{name}']:7.0f}"
+            for m in mechanisms
+        )
+        print(f"{name:14s} {results[f'untraced_ms_{name}']:12.1f}{row}")
+    for m in mechanisms:
         print(
-            f"{name:14s} {results[f'untraced_ms_{name}']:12.1f} {results[f'traced_ms_{name}']:10.1f}"
-            f" {results[f'overhead_{name}']:6.2f} {results[f'events_{name}']:7.0f}"
+            f"provenance overhead, {m} (geometric mean) {results[f'provenance_overhead_{m}']:.2f}x,"
+            f" max {results[f'provenance_overhead_{m}_max']:.2f}x"
         )
     print(
-        f"provenance_overhead (geometric mean) {results['provenance_overhead']:.2f}x, "
-        f"max {results['provenance_overhead_max']:.2f}x; "
-        f"tracer start (once per episode) {results['tracer_start_ms']:.0f} ms"
+        f"default mechanism {results['provenance_mechanism']}: provenance_overhead "
+        f"{results['provenance_overhead']:.2f}x; strace tracer start (once per episode) "
+        f"{results['tracer_start_ms']:.0f} ms"
     )
     for name in ("all", "text", "provenance"):
         print(
