@@ -47,7 +47,7 @@ def sandbox():
     )
 
 
-def record(sandbox: BwrapSandbox, cmd: str, ws: Path) -> Provenance:
+def record(sandbox: BwrapSandbox, cmd: str | list[str], ws: Path) -> Provenance:
     result = sandbox.run(cmd, ws)
     assert result.exit_code == 0, result.stderr
     assert result.provenance is not None
@@ -103,6 +103,25 @@ def test_other_names_of_a_file_are_the_file(sandbox, workspace):
             (workspace / name).unlink(missing_ok=True)
     prov = record(sandbox, "ln .mypy_cache/m.data.json h2 && echo more >> h2", workspace)
     assert {".mypy_cache/m.data.json", "h2"} <= set(prov.written)
+
+
+@needs_fanotify
+def test_writes_and_program_starts_that_avoid_the_usual_calls(sandbox, workspace):
+    """A truncate by path (no open: the change reaches the inode, not a mount), an execve from
+    a process that made itself undumpable, and an fexecve (execveat on a descriptor)."""
+    prov = record(sandbox, "python3 -c \"import os; os.truncate('sub/'+'x.py', 0)\"", workspace)
+    assert "sub/x.py" in prov.written
+    undumpable = (
+        "import ctypes, os; ctypes.CDLL(None).prctl(4, 0); "  # PR_SET_DUMPABLE 0
+        "os.execv('/usr/bin/git', ['git', '--version'])"
+    )
+    prov = record(sandbox, ["python3", "-c", undumpable], workspace)
+    assert ["git", "--version"] in prov.processes
+    by_descriptor = (
+        "import os; os.execve(os.open('/usr/bin/git', os.O_RDONLY), ['git', 'log', '--all'], {})"
+    )
+    result = sandbox.run(["python3", "-c", by_descriptor], workspace)
+    assert ["git", "log", "--all"] in result.provenance.processes  # git fails: no repository
 
 
 @needs_fanotify

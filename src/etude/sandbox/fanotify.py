@@ -17,7 +17,8 @@ How one command is recorded (``FanotifyRecorder``, one per command):
    sandbox's and no other process's. Group A (notification class, file handles and names:
    ``FAN_REPORT_DFID_NAME | FAN_REPORT_FID``) gets opens, reads, writes, closes and executions;
    every directory of the workspace gets an inode mark in A for creations, deletions and renames
-   (a mount mark cannot carry those). Group B (content class) gets ``FAN_OPEN_EXEC_PERM``: the
+   (a mount mark cannot carry those) and for changes of its files that reach the inode without
+   a mount (``truncate(2)`` by path). Group B (content class) gets ``FAN_OPEN_EXEC_PERM``: the
    kernel holds each ``execve`` at the open of its program until B answers, and the answer waits
    until the argv has been read from the caller's memory (``/proc/PID/syscall`` gives the
    pointer, ``/proc/PID/mem`` the strings). procfs has no file handles and refuses permission
@@ -43,7 +44,9 @@ open under ``/proc`` whose file can no longer be opened when the reader gets to 
 command spelled when it differs from the file (a symlink's own name). A process's own
 ``/proc/PID`` entries are recorded as ``/proc/self`` (the reader may not learn its number in
 time). An ``execve`` whose argv another thread of the same process rewrites between the read
-here and the kernel's copy records the argv that was read. What neither sees: ``stat``-family
+here and the kernel's copy records the argv that was read. A statically linked program started
+from a file no mark covers (a ``memfd``) holds no open of a marked program or loader: it runs
+unrecorded in ``processes`` (its file accesses are recorded as any other's). What neither sees: ``stat``-family
 calls, reads through descriptors opened outside the command, io_uring (refused by the sandbox's
 seccomp filter), the wrappers ``bwrap`` runs before the command (left out by both).
 
@@ -88,12 +91,15 @@ FAN_MARK_ADD, FAN_MARK_MOUNT, FAN_MARK_INODE = 0x1, 0x10, 0x0
 FAN_ACCESS, FAN_MODIFY, FAN_CLOSE_WRITE, FAN_CLOSE_NOWRITE = 0x1, 0x2, 0x8, 0x10
 FAN_OPEN, FAN_CREATE, FAN_DELETE = 0x20, 0x100, 0x200
 FAN_OPEN_EXEC, FAN_Q_OVERFLOW, FAN_OPEN_EXEC_PERM = 0x1000, 0x4000, 0x40000
-FAN_RENAME, FAN_ONDIR = 0x10000000, 0x40000000
+FAN_EVENT_ON_CHILD, FAN_RENAME, FAN_ONDIR = 0x08000000, 0x10000000, 0x40000000
 FAN_ALLOW = 0x1
 INFO_FID, INFO_DFID_NAME, INFO_OLD_DFID_NAME, INFO_NEW_DFID_NAME = 1, 2, 10, 12
 MOUNT_EVENTS = FAN_OPEN | FAN_ACCESS | FAN_MODIFY | FAN_CLOSE_WRITE | FAN_CLOSE_NOWRITE
 MOUNT_EVENTS |= FAN_OPEN_EXEC | FAN_ONDIR
-DIR_EVENTS = FAN_CREATE | FAN_DELETE | FAN_RENAME | FAN_ONDIR
+DIRENT_EVENTS = FAN_CREATE | FAN_DELETE | FAN_RENAME
+# on workspace directories: entries made, removed, renamed, and changes of their files that no
+# mount mark sees (truncate(2) by path reaches the inode, not a mount)
+DIR_EVENTS = DIRENT_EVENTS | FAN_MODIFY | FAN_ONDIR | FAN_EVENT_ON_CHILD
 GROUP_A_FLAGS = FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_REPORT_DIR_FID | FAN_REPORT_NAME
 GROUP_A_FLAGS |= FAN_REPORT_TARGET_FID
 EXEC_SYSCALLS = {"x86_64": (59, 322), "aarch64": (221, 281)}
@@ -532,7 +538,7 @@ class FanotifyRecorder:
             if pid in skip:
                 continue  # bwrap's first process, and this one's look at the mounts
             self.num_events += 1
-            if mask & DIR_EVENTS & ~FAN_ONDIR or buf[at] != INFO_DFID_NAME:
+            if mask & DIRENT_EVENTS or buf[at] != INFO_DFID_NAME:
                 names, child = _info_records(buf, at, end)
                 name = names.get(INFO_DFID_NAME, (b"", b""))[1]
                 if not self._wrapper_event(pid, mask, name):
