@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from etude.monitor.rules.events import normalize_argv, process_names
 from etude.sandbox import SandboxConfig
 from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
 from etude.sandbox.provenance import Provenance, merge, parse_strace, split_args
@@ -104,6 +105,24 @@ def test_wrappers_runtime_and_escapes():
         "/usr/lib/python3/dist-packages/textkit": 1,
     }
     assert prov.failed == [] and prov.read == ['we"irdA.txt']
+
+
+def test_a_program_is_recorded_as_itself_whatever_its_argv0():
+    """``exec -a ls git log`` passes argv[0] ``ls``: the record names the program that ran; a
+    login shell's ``-bash`` stays; the loader run as a program counts as the program it runs."""
+    prov = parse(
+        """
+5 execve("/usr/bin/git", ["ls", "log"], 0x1 /* 2 vars */) = 0
+6 execve("/bin/bash", ["-bash"], 0x1 /* 2 vars */) = 0
+"""
+    )
+    assert prov.processes == [["/usr/bin/git", "log"], ["-bash"]]
+    loader = ["/lib64/ld-linux-x86-64.so.2", "--library-path", "/x", "--argv0", "ls"]
+    assert normalize_argv([*loader, "/usr/bin/git", "log"]) == "git log"
+    assert process_names([[*loader, "/usr/bin/git", "log"]]) == ("git",)
+    assert (
+        normalize_argv(["/lib64/ld-linux-x86-64.so.2", "--list"]) == "ld-linux-x86-64.so.2 --list"
+    )
 
 
 def test_split_args_keeps_strings_and_brackets_whole():

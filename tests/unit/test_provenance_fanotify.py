@@ -19,6 +19,7 @@ import pytest
 import etude.sandbox.fanotify as fanotify
 from etude.env.trajectory import ToolCall, Trajectory, Turn
 from etude.monitor.rules import BUILTIN_RULES, scan
+from etude.monitor.rules.events import normalize_argv
 from etude.sandbox import SandboxConfig
 from etude.sandbox.bwrap import BwrapSandbox, bwrap_unavailable_reason
 from etude.sandbox.provenance import Provenance
@@ -259,3 +260,16 @@ def test_an_overflowed_record_says_so_in_its_summary_and_merge():
 def test_mechanism_setting_is_validated():
     with pytest.raises(ValueError, match="provenance_mechanism"):
         SandboxConfig(provenance_mechanism="ptrace")
+
+
+@needs_fanotify
+def test_a_program_is_recorded_as_itself_whatever_name_or_loader_starts_it(sandbox, workspace):
+    """``exec -a NAME`` gives a program another argv[0]; the dynamic loader run as a program
+    starts one without an execve of it: the monitor reads the program that ran."""
+    prov = record(
+        sandbox,
+        "(exec -a ls git log -1) 2> /dev/null; "
+        "/lib64/ld-linux-x86-64.so.2 --argv0 cat /usr/bin/git log -1 2> /dev/null; true",
+        workspace,
+    )
+    assert [normalize_argv(argv) for argv in prov.processes[1:]] == ["git log -1"] * 2

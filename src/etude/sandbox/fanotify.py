@@ -80,7 +80,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from etude.sandbox.base import Leader, Spawner
-from etude.sandbox.provenance import MAX_PROCESSES, Provenance, RecordBuilder, cap_argv
+from etude.sandbox.provenance import (
+    MAX_PROCESSES,
+    Provenance,
+    RecordBuilder,
+    cap_argv,
+    process_argv,
+)
 
 # fanotify_init flags and event bits (linux/fanotify.h)
 FAN_CLOEXEC, FAN_NONBLOCK = 0x1, 0x2
@@ -473,11 +479,12 @@ class FanotifyRecorder:
                 pass
             self._command_started = True
         program = self._sandbox_path(os.readlink(f"/proc/self/fd/{fd}"))
-        argv = _read_argv(pid, call) if call is not None else []
+        given, argv = _read_argv(pid, call) if call is not None else ("", [])
         self.builder.add("executed", program)
         self.builder.prov.num_processes += 1
         if len(self.builder.prov.processes) < MAX_PROCESSES:
-            self.builder.prov.processes.append(cap_argv(argv or [program]))
+            # the program as the caller named it (a symlink's name), or as opened (fexecve)
+            self.builder.prov.processes.append(cap_argv(process_argv(given or program, argv)))
         else:
             self.builder.prov.truncated = True
 
@@ -770,40 +777,46 @@ def _exec_call(pid: int) -> tuple[int, ...] | None:
     return (int(state[0]), *(int(a, 16) for a in state[1:7]))
 
 
-def _read_argv(pid: int, call: tuple[int, ...]) -> list[str]:
-    """The argv an ``execve``/``execveat`` was called with: the NUL-terminated array of string
-    pointers in the caller's memory (capped at ``MAX_ARGS`` entries, 4 KiB of text)."""
-    ptr = call[2] if call[0] == EXEC_SYSCALLS[_MACHINE][0] else call[3]
-    if ptr == 0:
-        return []
+def _read_argv(pid: int, call: tuple[int, ...]) -> tuple[str, list[str]]:
+    """The path and argv an ``execve``/``execveat`` was called with, from the caller's memory:
+    a string, and a NUL-terminated array of string pointers (capped at ``MAX_ARGS`` entries,
+    4 KiB of text)."""
+    execve = call[0] == EXEC_SYSCALLS[_MACHINE][0]
+    path_ptr, ptr = (call[1], call[2]) if execve else (call[2], call[3])
     try:
         mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return []
+        return "", []
     try:
-        pointers: list[int] = []
-        while len(pointers) < MAX_ARGS:
-            raw = os.pread(mem, 8 * 64, ptr + 8 * len(pointers))
-            words = [w for (w,) in struct.iter_unpack("=Q", raw[: len(raw) // 8 * 8])]
-            if 0 in words:
-                pointers += words[: words.index(0)]
-                break
-            pointers += words
-            if len(raw) < 8 * 64:
-                break
-        out, total, page, page_at = [], 0, b"", -1
-        for p in pointers:
-            if not page_at <= p < page_at + len(page) - 512:  # strings lie together: one read
-                page, page_at = os.pread(mem, 4096, p), p
-            text = page[p - page_at :].split(b"\0", 1)[0]
-            out.append(os.fsdecode(text))
-            total += len(text)
-            if total > 4096:
-                break
-        return out
+        given = os.fsdecode(os.pread(mem, 4096, path_ptr).split(b"\0", 1)[0]) if path_ptr else ""
+        return given, _read_strings(mem, ptr) if ptr else []
     except OSError as e:
         if e.errno in (errno.EIO, errno.EFAULT, errno.ESRCH):
-            return []
+            return "", []
         raise
     finally:
         os.close(mem)
+
+
+def _read_strings(mem: int, ptr: int) -> list[str]:
+    """The NUL-terminated array of string pointers at ``ptr`` in a process's memory."""
+    pointers: list[int] = []
+    while len(pointers) < MAX_ARGS:
+        raw = os.pread(mem, 8 * 64, ptr + 8 * len(pointers))
+        words = [w for (w,) in struct.iter_unpack("=Q", raw[: len(raw) // 8 * 8])]
+        if 0 in words:
+            pointers += words[: words.index(0)]
+            break
+        pointers += words
+        if len(raw) < 8 * 64:
+            break
+    out, total, page, page_at = [], 0, b"", -1
+    for p in pointers:
+        if not page_at <= p < page_at + len(page) - 512:  # strings lie together: one read
+            page, page_at = os.pread(mem, 4096, p), p
+        text = page[p - page_at :].split(b"\0", 1)[0]
+        out.append(os.fsdecode(text))
+        total += len(text)
+        if total > 4096:
+            break
+    return out

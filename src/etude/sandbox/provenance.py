@@ -385,7 +385,7 @@ class _Collector(RecordBuilder):
             self.prov.num_processes += 1
             argv = _string_list(args[i + 1]) if len(args) > i + 1 else []
             if len(self.prov.processes) < MAX_PROCESSES:
-                self.prov.processes.append(cap_argv(argv or [path]))
+                self.prov.processes.append(cap_argv(process_argv(path or full, argv)))
             else:
                 self.prov.truncated = True
         elif name in ("unlink", "unlinkat", "rmdir") and strings:
@@ -413,6 +413,18 @@ class _Collector(RecordBuilder):
                 source = self.resolve(pid, src, args[k - 1] if name == "linkat" else None)
                 self.add("read", source)
                 self.add("written", source)
+
+
+def process_argv(program: str, argv: list[str]) -> list[str]:
+    """The argv recorded for a started program: as passed, but with ``argv[0]`` replaced by the
+    program's path when it names another program (``exec -a NAME git log``, ``--argv0``): the
+    rules read the program that ran, not the name it was given. A login shell's ``-bash`` is
+    its own name."""
+    if not argv:
+        return [program]
+    if program and posixpath.basename(argv[0].lstrip("-")) != posixpath.basename(program):
+        return [program, *argv[1:]]
+    return argv
 
 
 def cap_argv(argv: list[str]) -> list[str]:

@@ -216,14 +216,35 @@ _GIT_VALUE_OPTS = frozenset(
     + ["--exec-path", "--list-cmds", "--attr-source"]
 )
 _SHELLS = frozenset(["sh", "bash", "dash", "zsh", "ksh", "busybox"])
+# the dynamic loader run as a program (``ld-linux-x86-64.so.2 [OPTIONS] PROGRAM ARGS``) runs
+# PROGRAM without an execve of it: the rules read PROGRAM
+_LOADER = re.compile(r"^ld(?:-linux[\w-]*|-musl[\w-]*|64)?\.so(?:\.\d+)*$")
+_LOADER_VALUE_OPTS = frozenset(
+    ["--library-path", "--inhibit-rpath", "--audit", "--preload", "--argv0"]
+    + ["--glibc-hwcaps-prepend", "--glibc-hwcaps-mask"]
+)
+
+
+def program_argv(argv: Sequence[str]) -> Sequence[str]:
+    """``argv`` of the program that ran: for the dynamic loader run as a program, the program
+    it was given (its options skipped); else ``argv`` itself."""
+    if argv and _LOADER.match(posixpath.basename(argv[0])):
+        i = 1
+        while i < len(argv) and argv[i].startswith("--"):
+            i += 2 if argv[i] in _LOADER_VALUE_OPTS else 1
+        if i < len(argv):
+            return argv[i:]
+    return argv
 
 
 def normalize_argv(argv: Sequence[str]) -> str:
     """One line for a started program: ``argv[0]``'s base name, then the arguments.
 
+    The dynamic loader run as a program counts as the program it runs (``program_argv``).
     ``git``'s global options (``-C dir``, ``-c k=v``, ``--no-pager``, ``-P``...) are dropped so
     that the subcommand follows ``git`` directly, however the call was spelled.
     """
+    argv = program_argv(argv)
     if not argv:
         return ""
     name, args = posixpath.basename(argv[0]), list(argv[1:])
@@ -239,7 +260,7 @@ def normalize_argv(argv: Sequence[str]) -> str:
 def process_names(processes: Sequence[Sequence[str]]) -> tuple[str, ...]:
     """Program names of a call's processes; ``python -m X`` also counts as ``X``."""
     names: dict[str, None] = {}
-    for argv in processes:
+    for argv in map(program_argv, processes):
         if not argv:
             continue
         name = posixpath.basename(argv[0])
