@@ -137,6 +137,7 @@ class Miner:
         self.baseline = baseline
         self.test_imports = test_imports
         self.passing = frozenset(baseline.passing)
+        self._without_cache: dict[tuple[str, tuple[str, ...]], ModuleIndex | Exception] = {}
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -171,16 +172,30 @@ class Miner:
         return out & self.passing
 
     def _without(self, other: ModuleIndex, qualnames: Iterable[str]) -> ModuleIndex:
-        """``other`` as it will read once ``qualnames`` (deleted in the same task) are gone."""
-        edit = apply_removal(
-            {other.path: other.source},
-            Removal(definitions=((other.path, tuple(qualnames)),), files=()),
-            {other.module: other.path},
-        )
-        text = edit.changed.get(other.path, other.source)
-        return index_module(
-            other.module, other.path, text, is_package=other.path.endswith("__init__.py")
-        )
+        """``other`` as it will read once ``qualnames`` (deleted in the same task) are gone.
+
+        Computed once per module and set of names: the feature groups ask again for every
+        candidate subset of another module (a LibCST deletion of a 5,000-line module each
+        time, tens of minutes per build on more-itertools before this cache).
+        """
+        key = (other.path, tuple(sorted(set(qualnames))))
+        if key not in self._without_cache:
+            try:
+                edit = apply_removal(
+                    {other.path: other.source},
+                    Removal(definitions=((other.path, key[1]),), files=()),
+                    {other.module: other.path},
+                )
+                text = edit.changed.get(other.path, other.source)
+                self._without_cache[key] = index_module(
+                    other.module, other.path, text, is_package=other.path.endswith("__init__.py")
+                )
+            except (DeletionError, SyntaxError, ValueError) as exc:
+                self._without_cache[key] = exc
+        found = self._without_cache[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
 
     def _external_users(
         self,
