@@ -270,3 +270,29 @@ def test_unfinished_turn() -> None:
     (item,) = _detect(traj, "unfinished_turn")
     assert item.turn == 3 and "</tool_call>" in item.hint
     assert _detect(traj, "unfinished_turn", end_of_turn_id=6)[0].turn == 1
+
+
+def test_sft_clean_episodes_are_oracle_runs_without_mistakes(
+    tok: Tokenizer, tmp_path: Path
+) -> None:
+    from etude.rl.sft import SFTDataConfig, SFTRecipe, collect_oracle_trajectories
+
+    record = json.loads((TASKS / "tasks.jsonl").read_text().splitlines()[0])
+    record["etude"]["workspace"] = str(TASKS / record["etude"]["workspace"])
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(record) + "\n")
+    recipe = SFTRecipe(
+        data=SFTDataConfig(
+            tasks=str(tmp_path / "tasks.jsonl"),
+            episodes_per_task=1,
+            clean_episodes=1,
+            mistake_rate=1.0,
+        ),
+        env=EnvConfig(work_dir=str(tmp_path), max_tokens=100_000),
+    )
+    recipe.train.progress = False
+    with_mistakes, clean = collect_oracle_trajectories(recipe, tok)
+    assert any(t["mistake"] for t in with_mistakes.info["oracle_turns"])
+    assert all(t["mistake"] is None for t in clean.info["oracle_turns"])
+    assert clean.info["oracle_mistake_rate"] == 0.0 and clean.reward == 1.0
+    with pytest.raises(ValueError, match="clean_episodes"):
+        SFTDataConfig(clean_episodes=-1)

@@ -64,6 +64,11 @@ class SFTDataConfig:
     """Oracle episodes per task (seeds 0..n-1)."""
     mistake_rate: float = 0.2
     """Probability of an injected mistake before each planned turn."""
+    clean_episodes: int = 0
+    """Oracle episodes per task without injected mistakes, besides the ``episodes_per_task``
+    with them (seeds after theirs). A small warm start memorizes each task's edit in the context
+    of its own episodes: one that saw the edit only after its injected detours loses it on the
+    clean path that RL (and text feedback above all) teaches it to take."""
     mistakes: tuple[str, ...] = ("unknown_tool",)
     """Mistake kinds the oracle injects (see etude.env.oracle.MISTAKE_KINDS)."""
     train_on_mistakes: bool = True
@@ -91,6 +96,8 @@ class SFTDataConfig:
             raise ValueError(f"data.mistake_rate={self.mistake_rate} must lie in [0, 1]")
         if self.episodes_per_task < 1 or self.hint_weight < 1:
             raise ValueError("data.episodes_per_task and data.hint_weight must be >= 1")
+        if self.clean_episodes < 0:
+            raise ValueError(f"data.clean_episodes={self.clean_episodes} must be >= 0")
         if self.max_seq_len < 64:
             raise ValueError(f"data.max_seq_len={self.max_seq_len} must be >= 64")
 
@@ -284,7 +291,8 @@ def oracle_examples(
 
 
 def collect_oracle_trajectories(cfg: SFTRecipe, tok: Tokenizer) -> list[Trajectory]:
-    """``episodes_per_task`` oracle episodes per task, with injected mistakes."""
+    """``episodes_per_task`` oracle episodes per task with injected mistakes, then
+    ``clean_episodes`` without."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from etude.env.oracle import OracleAgent
@@ -306,14 +314,16 @@ def collect_oracle_trajectories(cfg: SFTRecipe, tok: Tokenizer) -> list[Trajecto
         EnvPool(cfg.env, tokenizer=tok, base_dir=path.parent, max_workers=4) as pool,
         progress,
     ):
-        bar = progress.add_task("oracle", total=cfg.data.episodes_per_task * len(tasks))
-        for seed in range(cfg.data.episodes_per_task):
+        per_task = cfg.data.episodes_per_task + cfg.data.clean_episodes
+        bar = progress.add_task("oracle", total=per_task * len(tasks))
+        for seed in range(per_task):
+            rate = cfg.data.mistake_rate if seed < cfg.data.episodes_per_task else 0.0
 
-            def agent(task, seed=seed):
+            def agent(task, seed=seed, rate=rate):
                 return OracleAgent(
                     task,
                     base_dir=str(path.parent),
-                    mistake_rate=cfg.data.mistake_rate,
+                    mistake_rate=rate,
                     mistakes=cfg.data.mistakes or MISTAKE_KINDS,
                     seed=seed,
                 )
