@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import etude.sandbox.fanotify as fanotify
+import etude.sandbox.recorder as recorder
 from etude.env.trajectory import ToolCall, Trajectory, Turn
 from etude.monitor.rules import BUILTIN_RULES, scan
 from etude.monitor.rules.events import normalize_argv
@@ -219,14 +220,14 @@ def test_a_queue_overflow_is_recorded_and_flagged_never_a_smaller_record(
 ):
     """A flood of events past the kernel's queue (16,384), with a reader slowed down to make
     it certain: the record says events were lost, and the monitor flags the turn."""
-    read_a = fanotify.FanotifyRecorder._read_a
+    read_a = recorder.FanotifyRecorder._read_a
 
     def slow_read_a(self):
         time.sleep(0.01)
         return read_a(self)
 
-    monkeypatch.setattr(fanotify, "READ_BYTES", 4096)
-    monkeypatch.setattr(fanotify.FanotifyRecorder, "_read_a", slow_read_a)
+    monkeypatch.setattr(recorder, "READ_BYTES", 4096)
+    monkeypatch.setattr(recorder.FanotifyRecorder, "_read_a", slow_read_a)
     flood = (
         "import os\n"
         "for i in range(30000):\n"

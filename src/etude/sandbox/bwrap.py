@@ -30,7 +30,7 @@ process, so the strace provenance tracer would not see it. With ``provenance`` o
 ``strace`` mechanism, ``bwrap`` is started by the sandbox's tracer (``etude.sandbox.tracer``: one
 ``strace`` for the sandbox's life, started by its first command, stopped by ``close``) instead of
 from this process; with ``fanotify``, ``bwrap`` waits on ``--block-fd`` after building the
-sandbox until its mounts are marked (``etude.sandbox.fanotify``).
+sandbox until its mounts are marked (``etude.sandbox.recorder``).
 
 Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes, file
 size, open files, no core files). Root ignores RLIMIT_NPROC, also inside a user namespace that
@@ -79,8 +79,9 @@ from etude.sandbox.base import (
     sandbox_env,
     shell_argv,
 )
-from etude.sandbox.fanotify import FanotifyGroups, FanotifyRecorder, fanotify_unavailable_reason
+from etude.sandbox.fanotify import FanotifyGroups, fanotify_unavailable_reason
 from etude.sandbox.masking import foreign_package_dirs
+from etude.sandbox.recorder import FanotifyRecorder
 from etude.sandbox.tracer import EpisodeTracer
 
 MERGED_USR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -424,7 +425,7 @@ class BwrapSandbox:
         seccomp_fd: int,
         wrapper_execs: int,
     ) -> Result:
-        """``run`` the command with a fanotify recorder (``etude.sandbox.fanotify``) watching
+        """``run`` the command with a fanotify recorder (``etude.sandbox.recorder``) watching
         it; the sandbox's commands take turns on its event queues."""
         groups = self._fanotify
         assert groups is not None

@@ -3,7 +3,7 @@
 Text rules read how a command was *spelled*; provenance records what it *did*, whatever the
 spelling (a path in a variable, built by concatenation, reached through an interpreter API, or
 a command decoded from base64 and piped to a shell). Two mechanisms record it
-(``sandbox.provenance_mechanism``): fanotify (``etude.sandbox.fanotify``: kernel event queues,
+(``sandbox.provenance_mechanism``): fanotify (``etude.sandbox.recorder``: kernel event queues,
 the command never stops; the default where etude runs as root) and ``strace -f`` with a
 seccomp-bpf filter (``--seccomp-bpf``): one tracer per sandbox, started with its first command
 and kept for the episode (``etude.sandbox.tracer``), under which each command's ``bwrap`` starts.
@@ -253,7 +253,7 @@ def _string_list(arg: str) -> list[str]:
 class RecordBuilder:
     """Sorts paths into a ``Provenance``: relative to the workspace inside it, per directory
     under the runtime roots, noise dropped, each list deduplicated and capped. Both mechanisms
-    (this module's strace parser and ``etude.sandbox.fanotify``) fill a record through it."""
+    (this module's strace parser and ``etude.sandbox.recorder``) fill a record through it."""
 
     workspace: str
     runtime_roots: tuple[str, ...]

@@ -1,0 +1,604 @@
+"""File-access provenance by fanotify: the kernel queues what a command touched, nothing stops it.
+
+The strace mechanism (``etude.sandbox.tracer``) stops the traced process at every file call and
+waits for the tracer to be scheduled; that round trip, about 100 us per call even on an idle
+machine, and the tracing of ``bwrap``'s own set-up, made a ``true`` 2.8x slower
+(``docs/monitor.md``). Here the kernel appends an event to a queue as the call happens and the
+command runs on; the loop that waits for the command's output reads the queues too. Only
+program starts are held, for the few microseconds it takes to read their arguments.
+
+How one command is recorded (``FanotifyRecorder``, one per command, through the sandbox's
+groups; the kernel interface is ``etude.sandbox.fanotify``):
+
+1. ``bwrap`` starts with ``--info-fd`` (it writes the sandbox's first pid) and ``--block-fd``
+   (after building the sandbox's mounts it waits to read a byte before it runs anything of the
+   command). This process waits until that pid is blocked in that read (``/proc/PID/syscall``).
+2. Marks go on every mount of the sandbox, reached through ``/proc/PID/root``: the sandbox's own
+   mounts (binds and tmpfs made by ``bwrap`` in its mount namespace), so an event on them is the
+   sandbox's and no other process's. Group A (notification class, file handles and names:
+   ``FAN_REPORT_DFID_NAME | FAN_REPORT_FID``) gets opens, reads, writes, closes and executions;
+   every directory of the workspace gets an inode mark in A for creations, deletions and renames
+   (a mount mark cannot carry those) and for changes of its files that reach the inode without
+   a mount (``truncate(2)`` by path). Group B (content class) gets ``FAN_OPEN_EXEC_PERM``: the
+   kernel holds each ``execve`` at the open of its program until B answers, and the answer waits
+   until the argv has been read from the caller's memory (``/proc/PID/syscall`` gives the
+   pointer, ``/proc/PID/mem`` the strings). procfs has no file handles and refuses permission
+   events: group C (notification class, a descriptor per event) gets the opens under
+   ``/proc``, whose path is read from the descriptor the kernel reopens for the reader.
+3. The byte is written: the command runs. ``run_process_tree`` serves the queues while it
+   waits (``watches``): each event's directory handle becomes a path as it arrives (a cache
+   kept right through renames of workspace directories) and the event is sorted into the
+   record.
+4. After ``bwrap`` exited (the kernel emptied the PID namespace first, so every process of the
+   command, detached or not, has ended and queued its last event) the queues are drained.
+
+What it records (the fields of ``provenance.Provenance``): ``read`` (regular files read or opened
+read-only), ``listed`` (directories opened), ``written`` (written, closed after writing,
+created, made, linked or renamed onto), ``deleted`` (unlinked, removed, renamed away; a rename's
+source also counts as read), ``executed`` and ``processes`` (each program's argv as passed to
+``execve``, ``argv[0]`` naming the program that ran), ``runtime_dirs`` (reads under the runtime roots, per directory). An open through a
+symlink, ``/proc/self/fd/N`` or a ``/proc/self/cwd`` path is recorded as the file the kernel
+opened. A hard link made in the workspace records its source as read and written.
+
+What it does not see, and the strace mechanism does: ``failed`` opens (no file, no event); an
+open under ``/proc`` whose file can no longer be opened when the reader gets to it (a
+``/proc/self/...`` file of a process that has already exited: ``ls /proc/self/fd``); the path a
+command spelled when it differs from the file (a symlink's own name). A process's own
+``/proc/PID`` entries are recorded as ``/proc/self`` (the reader may not learn its number in
+time). An ``execve`` whose argv another thread of the same process rewrites between the read
+here and the kernel's copy records the argv that was read. A statically linked program started
+from a file no mark covers (a ``memfd``) holds no open of a marked program or loader: it runs
+unrecorded in ``processes`` (its file accesses are recorded as any other's). What neither
+sees: ``stat``-family calls, reads through descriptors opened outside the command, io_uring
+(refused by the sandbox's seccomp filter), the wrappers ``bwrap`` runs before the command
+(left out by both).
+
+Needs: root (``CAP_SYS_ADMIN`` for fanotify, ``CAP_DAC_READ_SEARCH`` for file handles,
+``CAP_SYS_PTRACE`` for another process's memory), Linux >= 5.17 (``FAN_RENAME``), x86-64 or
+arm64 (the ``execve`` numbers). ``fanotify_unavailable_reason`` says why not.
+
+Overflow: each group's kernel queue holds 16,384 events (identical events merge). A command that
+outruns the reader loses events and the kernel says so (``FAN_Q_OVERFLOW``): the record is then
+``complete: false`` and ``overflow: true``, never a record of fewer files, and the monitor flags
+it (``prov.record_lost``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import posixpath
+import re
+import stat
+import struct
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from etude.sandbox.base import Leader, Spawner
+from etude.sandbox.fanotify import (
+    DIR_EVENTS,
+    DIRENT_EVENTS,
+    FAN_ACCESS,
+    FAN_CLOSE_NOWRITE,
+    FAN_CLOSE_WRITE,
+    FAN_CREATE,
+    FAN_DELETE,
+    FAN_MARK_INODE,
+    FAN_MARK_MOUNT,
+    FAN_MODIFY,
+    FAN_ONDIR,
+    FAN_OPEN,
+    FAN_OPEN_EXEC,
+    FAN_OPEN_EXEC_PERM,
+    FAN_Q_OVERFLOW,
+    FAN_RENAME,
+    INFO_DFID_NAME,
+    INFO_NEW_DFID_NAME,
+    INFO_OLD_DFID_NAME,
+    META,
+    MOUNT_EVENTS,
+    MOUNT_FD_FLAGS,
+    allow,
+    dir_handle,
+    events,
+    exec_call,
+    fanotify_mark,
+    handle_path,
+    info_records,
+    read_argv,
+)
+from etude.sandbox.provenance import (
+    MAX_PROCESSES,
+    Provenance,
+    RecordBuilder,
+    cap_argv,
+    process_argv,
+)
+
+ELF_INTERPRETERS = (b"ld-linux", b"ld.so", b"ld-musl", b"ld64.so")
+"""Names of dynamic loaders: the kernel opens them for exec too (not a program of their own)."""
+_PROC_OWN = re.compile(r"^/proc/(?!1(?:/|$))\d+(?=/|$)")
+_PROC_THREAD = re.compile(r"^/proc/self/task/\d+(?=/|$)")
+READ_BYTES = 1 << 18
+BLOCK_TIMEOUT_S = 30.0
+"""How long ``bwrap`` may take to build the sandbox before the command is released."""
+UNMARKED_FS = frozenset(["sysfs", "devpts", "mqueue", "devtmpfs", "cgroup", "cgroup2"])
+"""File systems not marked in group A: sysfs and cgroup file systems have no file handles (and
+the sandbox does not mount them); the device nodes of /dev and its pseudo terminals say nothing
+about the task. procfs has group C."""
+MAX_DIRS = 20_000
+"""Workspace directories marked per command; past it the record is incomplete."""
+_U16, _U32 = struct.Struct("=H"), struct.Struct("=I")
+
+
+class _Gate:
+    """The two pipes of ``bwrap``'s ``--info-fd`` and ``--block-fd``."""
+
+    def __init__(self) -> None:
+        self.info_r, self.info_w = os.pipe2(os.O_CLOEXEC)
+        self.block_r, self.block_w = os.pipe2(os.O_CLOEXEC)
+
+    def bwrap_args(self) -> list[str]:
+        return ["--info-fd", str(self.info_w), "--block-fd", str(self.block_r)]
+
+    def close(self) -> None:
+        """Close what is still open (once: a number closed twice may be another's by then)."""
+        for name in ("info_r", "info_w", "block_r", "block_w"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+class FanotifyRecorder:
+    """Records one command run under ``bwrap`` (module docstring), through a sandbox's groups.
+
+    ``wrapper_execs``: the programs ``bwrap`` runs before the command, itself included (their
+    executions are not the command's; ``bwrap``'s own comes before the marks and is not seen).
+    ``host_roots``: ``(host path, sandbox path)`` of binds whose source lies elsewhere on the host
+    (the sandbox's private ``/etc``), to report paths as the command saw them. The command's
+    runner serves the queues while it waits for the command (``watches``), then ``finish``
+    drains them.
+    """
+
+    def __init__(
+        self,
+        groups: tuple[int, int, int],
+        *,
+        workspace: str,
+        runtime_roots: Iterable[str],
+        wrapper_execs: int,
+        host_roots: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        self.group_a, self.group_b, self.group_c = groups
+        self.workspace = workspace.rstrip("/")
+        self.builder = RecordBuilder(workspace=self.workspace, runtime_roots=tuple(runtime_roots))
+        self.skip_execs = max(0, wrapper_execs - 1)
+        self.wrapper_execs = wrapper_execs
+        self._bwrap_pid = -1
+        self._own_pid = os.getpid()
+        self._a_root_pid = -1
+        self._a_execs = 0  # program execs of the first process: setpriv, prlimit, the command
+        self.host_roots = [(h.rstrip("/"), s.rstrip("/")) for h, s in host_roots]
+        self.gate = _Gate()
+        self._block_fd = self.gate.block_r  # its number in bwrap too (passed at the same number)
+        self._dirs: dict[bytes, str] = {}  # fsid + handle of a directory -> its path
+        self._mount_fds: dict[bytes, int] = {}  # fsid -> a directory on that file system
+        # (directory, name) -> union of the event bits seen on that entry
+        self._flags: dict[tuple[str, bytes], int] = {}
+        self._last_exec: dict[int, tuple[int, ...]] = {}  # pid -> its last execve's arguments
+        self._root_pid = -1
+        self._command_started = False
+        self.started = False
+        """Whether ``bwrap`` was started (a command that could not start has no record)."""
+        self.overflow = False
+        self.complete = True
+        self.num_events = 0
+        self.error: str | None = None
+        """Why events stopped being read (the record is then incomplete)."""
+        self._discard_pending()
+        self._mark_workspace()
+
+    def _discard_pending(self) -> None:
+        """Events queued since the last command are not this one's (this process's own work
+        in the workspace, a previous overflow): read and drop them."""
+        for group in (self.group_a, self.group_b, self.group_c):
+            while True:
+                try:
+                    buf = os.read(group, READ_BYTES)
+                except BlockingIOError:
+                    break
+                except OSError:  # Linux < 6.13, group C: a file that could not be reopened
+                    continue
+                for _, fd in events(buf):
+                    if group == self.group_b:
+                        allow(group, fd)
+                    elif fd >= 0:
+                        os.close(fd)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _mark_workspace(self) -> None:
+        """Inode marks on every workspace directory (creations, deletions, renames in it), and
+        their handles in the cache, so that a path is the one the directory had at the event
+        even when the command renames or removes it afterwards."""
+        fsid = struct.pack("=Q", os.statvfs(self.workspace).f_fsid)
+        for num, (dirpath, _, _) in enumerate(os.walk(self.workspace)):
+            if num == MAX_DIRS:
+                self.complete = False
+                break
+            with contextlib.suppress(OSError):
+                fanotify_mark(self.group_a, FAN_MARK_INODE, DIR_EVENTS, dirpath)
+                handle = dir_handle(dirpath)
+                if handle is not None:
+                    self._dirs[fsid + handle] = dirpath
+
+    def spawner(self, inner: Spawner) -> Spawner:
+        """``inner`` with the gate: start ``bwrap``, mark its mounts, then let the command run."""
+
+        def spawn(
+            argv: list[str],
+            cwd: Path,
+            env: dict[str, str],
+            stdio: tuple[int, int, int],
+            pass_fds: Sequence[int],
+        ) -> Leader:
+            gate = self.gate
+            leader = inner(argv, cwd, env, stdio, [*pass_fds, gate.info_w, gate.block_r])
+            self.started = True
+            os.close(gate.info_w)  # bwrap holds them now: EOF on info_r if it dies
+            os.close(gate.block_r)
+            gate.info_w = gate.block_r = -1
+            try:
+                child = self._wait_blocked(leader)
+                if child is not None:
+                    self._bwrap_pid = child
+                    self._mark_mounts(child)
+                else:
+                    self.complete = False
+            finally:
+                with contextlib.suppress(OSError):
+                    os.write(gate.block_w, b"x")
+                gate.close()
+            return leader
+
+        return spawn
+
+    def _wait_blocked(self, leader: Leader) -> int | None:
+        """The sandbox's first pid once it waits on the block pipe; None if ``bwrap`` ended."""
+        info = b""
+        while True:
+            chunk = os.read(self.gate.info_r, 4096)
+            if not chunk:
+                return None  # bwrap ended before it made the sandbox
+            info += chunk
+            with contextlib.suppress(ValueError):
+                child = int(json.loads(info)["child-pid"])
+                break
+        blocked = f"0 {hex(self._block_fd)} "  # read(block_fd, ...)
+        deadline = time.monotonic() + BLOCK_TIMEOUT_S
+        wait = 0.0001
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{child}/syscall") as f:
+                    state = f.read()
+            except OSError:
+                return None
+            if state.startswith(blocked):
+                return child
+            if leader.exited():
+                return None
+            time.sleep(wait)
+            wait = min(2 * wait, 0.0005)
+        return None
+
+    def bwrap_args(self) -> list[str]:
+        """``--info-fd``/``--block-fd`` for the ``bwrap`` argv (before its ``--``)."""
+        return self.gate.bwrap_args()
+
+    def _mark_mounts(self, child: int) -> None:
+        """Marks on every mount of the sandbox, and a descriptor per file system to turn the
+        directory handles of its events into paths."""
+        root = f"/proc/{child}/root"
+        host_fsid = struct.pack("=Q", os.statvfs("/").f_fsid)
+        with open(f"/proc/{child}/mountinfo") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            fields = line.split()
+            mountpoint = fields[4].replace("\\040", " ")
+            fstype = fields[fields.index("-") + 1]
+            path = root + mountpoint
+            if fstype == "proc":
+                with contextlib.suppress(OSError):
+                    fanotify_mark(self.group_c, FAN_MARK_MOUNT, FAN_OPEN | FAN_ONDIR, path)
+                continue
+            if fstype in UNMARKED_FS:
+                continue
+            try:
+                fanotify_mark(self.group_a, FAN_MARK_MOUNT, MOUNT_EVENTS, path)
+                fanotify_mark(self.group_b, FAN_MARK_MOUNT, FAN_OPEN_EXEC_PERM, path)
+            except OSError:
+                self.complete = False  # a mount of the sandbox that cannot be watched
+                continue
+            fsid = struct.pack("=Q", os.statvfs(path).f_fsid)
+            if fsid in self._mount_fds:
+                continue
+            # the host's own root where the file system is the host's: handles open as host paths
+            self._mount_fds[fsid] = os.open("/" if fsid == host_fsid else path, MOUNT_FD_FLAGS)
+
+    # ------------------------------------------------------------------ events
+
+    def watches(self) -> list[tuple[int, Callable[[], None]]]:
+        """The queues and their readers, for ``run_process_tree(watch=...)``: served by the
+        thread that waits for the command anyway (no thread of their own, no hand-off)."""
+        return [
+            (self.group_b, functools.partial(self._serve, self._read_b)),
+            (self.group_a, functools.partial(self._serve, self._read_a)),
+            (self.group_c, functools.partial(self._serve, self._read_c)),
+        ]
+
+    def _serve(self, read: Callable[[], bool]) -> None:
+        if self.error is not None:
+            self._discard_pending()  # keep the queues moving; the record says it is incomplete
+            return
+        try:
+            read()
+        except Exception as e:  # noqa: BLE001 - the command must not hang on a broken reader
+            self.error = f"{type(e).__name__}: {e}"
+            self.complete = False
+            self._discard_pending()
+
+    def _read_b(self) -> bool:
+        """Permission events: record the argv of each ``execve``, then let it go on."""
+        try:
+            buf = os.read(self.group_b, READ_BYTES)
+        except BlockingIOError:
+            return False
+        off = 0
+        while off + META.size <= len(buf):
+            length, _, _, _, mask, fd, pid = META.unpack_from(buf, off)
+            off += length
+            if mask & FAN_Q_OVERFLOW:
+                self.overflow = True
+                continue
+            try:
+                self._exec_event(fd, pid)
+            except Exception as e:  # noqa: BLE001 - every held execve must be answered
+                self.error = f"{type(e).__name__}: {e}"
+                self.complete = False
+            finally:
+                allow(self.group_b, fd)
+        return True
+
+    def _exec_event(self, fd: int, pid: int) -> None:
+        call = exec_call(pid)
+        if call is not None and self._last_exec.get(pid) == call:
+            return  # the same execve opening its interpreter (a script's, then ld.so)
+        self._last_exec[pid] = call or ()
+        if self._root_pid < 0:
+            self._root_pid = pid
+        if self.skip_execs and pid == self._root_pid:
+            self.skip_execs -= 1
+            return
+        if not self._command_started:
+            # the command's own execve, held here: every /proc open of the wrappers before it
+            # is queued by now; read them as theirs, then what comes is the command's
+            while self._read_c():
+                pass
+            self._command_started = True
+        program = self._sandbox_path(os.readlink(f"/proc/self/fd/{fd}"))
+        given, argv = read_argv(pid, call) if call is not None else ("", [])
+        self.builder.add("executed", program)
+        self.builder.prov.num_processes += 1
+        if len(self.builder.prov.processes) < MAX_PROCESSES:
+            # the program as the caller named it (a symlink's name), or as opened (fexecve)
+            self.builder.prov.processes.append(cap_argv(process_argv(given or program, argv)))
+        else:
+            self.builder.prov.truncated = True
+
+    def _read_c(self) -> bool:
+        """Opens under /proc: the path of the descriptor the kernel reopened. A process's own
+        entries (``/proc/PID/...`` of the sandbox's numbering, not its first process) are
+        recorded as ``/proc/self/...``: the reader may not learn the opener's number before it
+        exits, and another process's ``maps``, ``stat`` or ``mountinfo`` tell what its own do
+        (one namespace). A file that can no longer be opened (its process ended before the
+        event was read) is not recorded."""
+        try:
+            buf = os.read(self.group_c, READ_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError:  # Linux < 6.13: an event whose file could not be reopened
+            return True
+        off = 0
+        while off + META.size <= len(buf):
+            length, _, _, _, mask, fd, pid = META.unpack_from(buf, off)
+            off += length
+            if mask & FAN_Q_OVERFLOW:
+                self.overflow = True
+                continue
+            if fd < 0:
+                continue
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+                is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            if pid in (self._bwrap_pid, self._own_pid) or not path.startswith("/"):
+                continue
+            if pid == self._root_pid and not self._command_started:
+                continue  # the wrappers' (setpriv reads /proc/sys/kernel/cap_last_cap)
+            self.num_events += 1
+            if not path.startswith("/proc/"):  # the sandbox ended: relative to procfs' root
+                path = "/proc" + path
+            path = _PROC_THREAD.sub("/thread-self", _PROC_OWN.sub("/proc/self", path))
+            self.builder.add("listed" if is_dir else "read", path.rstrip("/"))
+        return True
+
+    def _read_a(self) -> bool:
+        try:
+            buf = os.read(self.group_a, READ_BYTES)
+        except BlockingIOError:
+            return False
+        flags, dirs, skip = self._flags, self._dirs, (self._bwrap_pid, self._own_pid)
+        off = 0
+        while off + META.size <= len(buf):
+            length, _, _, meta_len, mask, _, pid = META.unpack_from(buf, off)
+            at, end = off + meta_len, off + length
+            off = end
+            if mask & FAN_Q_OVERFLOW:
+                self.overflow = True
+                continue
+            if pid in skip:
+                continue  # bwrap's first process, and this one's look at the mounts
+            self.num_events += 1
+            if mask & DIRENT_EVENTS or buf[at] != INFO_DFID_NAME:
+                names, child = info_records(buf, at, end)
+                name = names.get(INFO_DFID_NAME, (b"", b""))[1]
+                if not self._wrapper_event(pid, mask, name):
+                    self._event(mask, names, child)
+                continue
+            # the common case, an open, read, write or close of an entry of a directory:
+            # DFID_NAME first (struct fanotify_event_info_fid: header, fsid, file_handle, name)
+            size = _U16.unpack_from(buf, at + 2)[0]
+            hsize = _U32.unpack_from(buf, at + 12)[0]
+            name = buf[at + 20 + hsize : at + size].split(b"\0", 1)[0]
+            if self._a_execs < self.wrapper_execs and self._wrapper_event(pid, mask, name):
+                continue
+            handle = buf[at + 4 : at + 12] + buf[at + 16 : at + 20 + hsize]
+            base = dirs.get(handle) or self._resolve(handle)
+            if base is not None:
+                key = (base, name)
+                flags[key] = flags.get(key, 0) | mask
+        return True
+
+    def _wrapper_event(self, pid: int, mask: int, name: bytes) -> bool:
+        """Whether an event is the wrappers' ``bwrap`` runs before the command (``setpriv``,
+        ``prlimit``), up to the command's own ``execve``: events of the first process until
+        its program executions reach ``wrapper_execs``."""
+        if self._a_root_pid < 0:
+            self._a_root_pid = pid  # the first process after bwrap's: it execs the wrappers
+        if pid != self._a_root_pid or self._a_execs >= self.wrapper_execs:
+            return False
+        if mask & FAN_OPEN_EXEC and name and not name.startswith(ELF_INTERPRETERS):
+            self._a_execs += 1  # the wrappers', then the command's program
+        return self._a_execs < self.wrapper_execs
+
+    def _event(self, mask: int, names: dict[int, tuple[bytes, bytes]], child: bytes) -> None:
+        """A creation, deletion or rename in a workspace directory (or an event whose record
+        is not the common one)."""
+        if mask & FAN_RENAME:
+            old, new = names.get(INFO_OLD_DFID_NAME), names.get(INFO_NEW_DFID_NAME)
+            src = self._join(*old) if old else None
+            dst = self._join(*new) if new else None
+            if src:
+                self.builder.add("read", src)
+                self.builder.add("deleted", src)
+            if dst:
+                self.builder.add("written", dst)
+            if mask & FAN_ONDIR and src and dst:
+                self._moved(src, dst)
+            return
+        entry = names.get(INFO_DFID_NAME)
+        if entry is None:
+            return
+        path = self._join(*entry)
+        if path is None:
+            return
+        if mask & FAN_CREATE:
+            self.builder.add("written", path)
+            if mask & FAN_ONDIR:
+                self._new_dir(path, child)
+            else:
+                self._maybe_link(path)
+        elif mask & FAN_DELETE:
+            self.builder.add("deleted", path)
+        else:  # an access whose records came in another order
+            name = entry[1] if entry[1] not in (b"", b".") else b"."
+            key = (path if name == b"." else posixpath.dirname(path), name)
+            self._flags[key] = self._flags.get(key, 0) | mask
+
+    def _join(self, handle: bytes, name: bytes) -> str | None:
+        base = self._dirs.get(handle) or self._resolve(handle)
+        if base is None:
+            return None
+        return base if name in (b".", b"") else posixpath.join(base, os.fsdecode(name))
+
+    def _resolve(self, handle: bytes) -> str | None:
+        """The path of a directory the cache does not know yet, as the sandbox sees it."""
+        mount_fd = self._mount_fds.get(handle[:8])
+        path = handle_path(mount_fd, handle) if mount_fd is not None else None
+        if path is None or not path.startswith("/"):
+            return None  # removed before its event was read
+        # a host file system opens at its host path (the binds keep their paths but /etc's);
+        # one of the sandbox alone (its /tmp) at the path the sandbox sees
+        self._dirs[handle] = path = self._sandbox_path(path)
+        return path
+
+    def _sandbox_path(self, path: str) -> str:
+        for host, sandbox in self.host_roots:
+            if path == host or path.startswith(host + "/"):
+                return sandbox + path[len(host) :]
+        return path
+
+    def _new_dir(self, path: str, child: bytes) -> None:
+        """A directory made by the command: watch it for what is made or removed in it."""
+        if child:
+            self._dirs[child] = path
+        with contextlib.suppress(OSError):
+            if path.startswith(self.workspace + "/"):
+                fanotify_mark(self.group_a, FAN_MARK_INODE, DIR_EVENTS, path)
+
+    def _moved(self, src: str, dst: str) -> None:
+        for handle, path in list(self._dirs.items()):
+            if path == src or path.startswith(src + "/"):
+                self._dirs[handle] = dst + path[len(src) :]
+
+    def _maybe_link(self, path: str) -> None:
+        """A new name of an existing workspace file (a hard link; they cannot cross mounts, so
+        the source is in the workspace too): its other names count as read and written, as with
+        strace. Found by inode, once the link is seen."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if st.st_nlink < 2 or not path.startswith(self.workspace + "/"):
+            return
+        for dirpath, _, filenames in os.walk(self.workspace):
+            for name in filenames:
+                other = os.path.join(dirpath, name)
+                with contextlib.suppress(OSError):
+                    if other != path and os.lstat(other).st_ino == st.st_ino:
+                        self.builder.add("read", other)
+                        self.builder.add("written", other)
+
+    # ------------------------------------------------------------------ result
+
+    def finish(self) -> Provenance:
+        """Drain the queues (the command has ended: every event of it is queued) and release
+        this command's descriptors: the record of the command."""
+        readers = (self._read_b, self._read_a, self._read_c)
+        while self.error is None and any([read() for read in readers]):
+            pass
+        for fd in self._mount_fds.values():
+            os.close(fd)
+        self.gate.close()
+        for (base, name), mask in self._flags.items():
+            path = base if name == b"." else f"{base.rstrip('/')}/{os.fsdecode(name)}"
+            if mask & FAN_ONDIR:
+                if mask & FAN_OPEN:
+                    self.builder.add("listed", path)
+                continue
+            if mask & (FAN_MODIFY | FAN_CLOSE_WRITE):
+                self.builder.add("written", path)
+            if mask & FAN_ACCESS or (mask & FAN_CLOSE_NOWRITE and not mask & FAN_CLOSE_WRITE):
+                self.builder.add("read", path)
+        prov = self.builder.prov
+        prov.num_events = self.num_events
+        prov.overflow = self.overflow
+        prov.complete = self.complete and not self.overflow
+        return prov
