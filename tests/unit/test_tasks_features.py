@@ -130,3 +130,61 @@ def test_a_module_without_the_group_s_units_is_derived_once(tmp_path):
     for _ in range(2):
         with pytest.raises(Exception, match="nonexistent"):
             miner._without(mod, ["nonexistent"])
+
+
+FROZEN = '''\
+"""An immutable dict (tinydb's ``FrozenDict``: its class body binds a method by name)."""
+
+
+class Frozen(dict):
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+    def _immutable(self, *args, **kws):
+        raise TypeError("object is immutable")
+
+    __setitem__ = _immutable
+    clear = _immutable
+
+    def update(self, e=None, **f):
+        raise TypeError("object is immutable")
+
+    def pop(self, k, d=None):
+        raise TypeError("object is immutable")
+'''
+FROZEN_TEST = "tests/test_frozen.py::test_immutable"
+
+
+def test_a_method_the_class_body_binds_at_import_time_stays(tmp_path):
+    """tinydb 4.8.2: the group of ``test_utils.py`` deleted ``FrozenDict._immutable``, which the
+    class body binds (``__setitem__ = _immutable``), so the package no longer imported. The
+    miner's own method features were refused for this; the groups' (and the agent's) check was
+    not."""
+    root = write_mini_repo(tmp_path, {"minipkg/frozen.py": FROZEN})
+    layout = detect_layout(root)
+    index = index_package(root, layout)
+    units = index["minipkg.frozen"].units
+    lines = {}
+    for q in ("Frozen._immutable", "Frozen.update", "Frozen.pop"):
+        lo, hi = units[q].body
+        lines.update({n: frozenset({FROZEN_TEST}) for n in range(lo, hi + 1)})
+    lo, hi = units["Frozen.__hash__"].body  # other tests hash it: the class is not the group's
+    lines.update({n: frozenset({OTHER[0]}) for n in range(lo, hi + 1)})
+    baseline = Baseline(
+        passing=(FROZEN_TEST, *OTHER),
+        failing=(),
+        flaky=(),
+        canonical={},
+        line_tests={"minipkg/frozen.py": lines},
+        importable=tuple(layout.modules),
+    )
+    miner = Miner(layout, index, baseline, index_test_imports(root, layout))
+    cfg = ProposalConfig(min_lines=2)
+    why = miner.custom_feature("minipkg.frozen", ["Frozen._immutable", "Frozen.update"], cfg)
+    assert why == "Frozen._immutable is needed at import time by its class"
+    features, _ = feature_groups(miner, cfg)
+    (group,) = [f for f in features if f.name == "feature.test_frozen"]
+    assert set(group.symbols) == {"minipkg.frozen.Frozen.update", "minipkg.frozen.Frozen.pop"}
+    # with the whole class the method goes too
+    whole = ProposalConfig(min_lines=2, max_test_fraction=1.0)
+    assert not isinstance(miner.custom_feature("minipkg.frozen", ["Frozen"], whole), str)

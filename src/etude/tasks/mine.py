@@ -538,7 +538,11 @@ class Miner:
             if mod.bindings.get(top, 0) != 1 and top not in mod.overloads:
                 return f"{top} is bound more than once at module scope"
             if "." in q:
-                outside = self._attr_users(mod, q.split(".")[-1]) - units
+                cls = mod.units.get(top)
+                name = q.split(".")[-1]
+                if top not in names and cls is not None and name in cls.import_refs:
+                    return f"{q} is needed at import time by its class"
+                outside = self._attr_users(mod, name) - units
             else:
                 if q in mod.module_refs:
                     return f"{q} is needed at import time by module-level code"
