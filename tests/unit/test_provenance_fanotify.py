@@ -274,3 +274,24 @@ def test_a_program_is_recorded_as_itself_whatever_name_or_loader_starts_it(sandb
         workspace,
     )
     assert [normalize_argv(argv) for argv in prov.processes[1:]] == ["git log -1"] * 2
+
+
+@needs_fanotify
+def test_arguments_changed_after_they_were_read_are_recorded_as_run(
+    sandbox, workspace, monkeypatch
+):
+    """The argv is read from the caller's memory while its execve is held; another thread of
+    the caller could rewrite it before the kernel copies it. Such a race (made certain here by
+    a reader that sees other arguments) still leaves the arguments that ran in the record: the
+    program's first open in its new image checks /proc/PID/cmdline."""
+    real = recorder.read_argv
+
+    def stale(pid, call):
+        given, argv = real(pid, call)
+        return given, [a.replace("time.sleep(0.5)", "pass") for a in argv]
+
+    monkeypatch.setattr(recorder, "read_argv", stale)
+    prov = record(sandbox, ["python3", "-c", "import time; time.sleep(0.5)"], workspace)
+    args = [argv[1:] for argv in prov.processes]
+    assert ["-c", "import time; pass"] in args  # what the (stale) read saw
+    assert ["-c", "import time; time.sleep(0.5)"] in args  # what ran

@@ -46,7 +46,9 @@ open under ``/proc`` whose file can no longer be opened when the reader gets to 
 command spelled when it differs from the file (a symlink's own name). A process's own
 ``/proc/PID`` entries are recorded as ``/proc/self`` (the reader may not learn its number in
 time). An ``execve`` whose argv another thread of the same process rewrites between the read
-here and the kernel's copy records the argv that was read. A statically linked program started
+here and the kernel's copy is caught at the program's first open in its new image
+(``/proc/PID/cmdline`` is the kernel's copy: both argvs are recorded) unless the program opens
+nothing or has ended before the reader gets to that open. A statically linked program started
 from a file no mark covers (a ``memfd``) holds no open of a marked program or loader: it runs
 unrecorded in ``processes`` (its file accesses are recorded as any other's). What neither
 sees: ``stat``-family calls, reads through descriptors opened outside the command, io_uring
@@ -190,6 +192,8 @@ class FanotifyRecorder:
         # (directory, name) -> union of the event bits seen on that entry
         self._flags: dict[tuple[str, bytes], int] = {}
         self._last_exec: dict[int, tuple[int, ...]] = {}  # pid -> its last execve's arguments
+        # pid -> (program, argv recorded, its exec's opens seen) until checked (_verify_exec)
+        self._unverified: dict[int, tuple[str, list[str], bool]] = {}
         self._root_pid = -1
         self._command_started = False
         self.started = False
@@ -393,11 +397,50 @@ class FanotifyRecorder:
         given, argv = read_argv(pid, call) if call is not None else ("", [])
         self.builder.add("executed", program)
         self.builder.prov.num_processes += 1
+        # the program as the caller named it (a symlink's name), or as opened (fexecve)
+        recorded = cap_argv(process_argv(given or program, argv))
+        self._add_process(recorded)
+        self._unverified[pid] = (given or program, recorded, False)
+
+    def _add_process(self, argv: list[str]) -> None:
         if len(self.builder.prov.processes) < MAX_PROCESSES:
-            # the program as the caller named it (a symlink's name), or as opened (fexecve)
-            self.builder.prov.processes.append(cap_argv(process_argv(given or program, argv)))
+            self.builder.prov.processes.append(argv)
         else:
             self.builder.prov.truncated = True
+
+    def _verify_exec(self, pid: int, mask: int) -> None:
+        """The argv read at the hold came from the caller's memory before the kernel copied it:
+        another thread could have changed it in between. At the program's first open in its
+        new image (after the opens of the exec itself: the loader's first file), its
+        ``/proc/PID/cmdline`` is the copy the kernel made; if the arguments differ, that argv
+        is recorded too. A process already gone, or one that opens nothing, is not checked."""
+        program, recorded, opened = self._unverified[pid]
+        if mask & FAN_OPEN_EXEC:
+            self._unverified[pid] = (program, recorded, True)
+            return
+        if not opened or not mask & FAN_OPEN:
+            # before the exec's own opens, an event of the old image; after them, only an open
+            # comes from the new image's code (a close may be the exec releasing old files
+            # before the new argv is in place)
+            return
+        del self._unverified[pid]
+        try:
+            fd = os.open(f"/proc/{pid}/cmdline", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            raw = os.read(fd, 8192)
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+        args = [os.fsdecode(a) for a in raw.split(b"\0")[:-1]]
+        # the arguments must agree (argv[0] is the program's path here; a script's interpreter
+        # comes before the script's own argv)
+        tail = args[len(args) - len(recorded) + 1 :] if len(args) >= len(recorded) else None
+        if not args or (tail is not None and cap_argv([recorded[0], *tail]) == recorded):
+            return
+        self._add_process(cap_argv([program, *args[1:]]))
 
     def _read_c(self) -> bool:
         """Opens under /proc: the path of the descriptor the kernel reopened. A process's own
@@ -456,6 +499,8 @@ class FanotifyRecorder:
             if pid in skip:
                 continue  # bwrap's first process, and this one's look at the mounts
             self.num_events += 1
+            if pid in self._unverified:
+                self._verify_exec(pid, mask)
             if mask & DIRENT_EVENTS or buf[at] != INFO_DFID_NAME:
                 names, child = info_records(buf, at, end)
                 name = names.get(INFO_DFID_NAME, (b"", b""))[1]
