@@ -243,8 +243,18 @@ def make_backend(cfg: Any, engine: Any) -> Any:
 def batch_metrics(
     batch: PipelineBatch[Any], trajectories: Sequence[Trajectory]
 ) -> dict[str, float]:
-    """The ``async/*`` metrics of the batch trained at ``batch.step``."""
+    """The ``async/*`` metrics of the batch trained at ``batch.step``; with the rollout's stats
+    (``(trajectories, RolloutStats)`` as the batch's result), where its time went: generating
+    (waiting for the engine included) and in the environments (waiting for a thread included)."""
+    stats = batch.result[1] if isinstance(batch.result, tuple) else None
+    where: dict[str, float] = {}
+    if stats is not None and hasattr(stats, "generate_seconds"):
+        where = {
+            "async/generate_seconds": stats.generate_seconds,
+            "async/env_seconds": stats.env_seconds,
+        }
     return {
+        **where,
         "async/wait_seconds": batch.wait_seconds,
         "async/batch_seconds": batch.rollout_seconds,
         "async/admitted_version": float(batch.admitted_version),
