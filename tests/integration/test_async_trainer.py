@@ -3,7 +3,8 @@
 - ``rollout.max_staleness = 0`` through a separate engine fed by the file sync reproduces the
   synchronous trainer's metrics step for step (same seeds); staleness 1 stays within its bound.
 - Rollout workers as Ray actors with their own engines, fed by the file sync, reproduce the
-  in-process run.
+  in-process run; one killed mid-step is replaced and its share rolled out again: the same run,
+  the loss counted.
 - The demo's RL recipe on 2 Ray environment workers (a local Ray instance) gives the local
   pool's rewards and trajectories for the same seeds; a worker killed mid-step is survived: the
   step completes and the failure is counted.
@@ -12,6 +13,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -186,3 +189,48 @@ def test_rollout_workers_on_ray_actors_follow_the_file_sync(tmp_path, tokenizer_
     # two actors, each with its own engine loading every version from RUN/weights: the same run
     assert comparable(read_metrics(sync_run)) == comparable(read_metrics(actors_run))
     assert trajectories(sync_run) == trajectories(actors_run)
+    assert all(r["infra/worker_deaths"] == 0 for r in read_metrics(actors_run))
+
+    # actor 0 killed (SIGKILL) while step 2's episodes run: a fresh actor rolls its share out
+    # again, so the step completes with the undisturbed run's episodes, and the loss is counted
+    killed_run = prepared(tmp_path / "killed", tokenizer_dir)
+    cfg = recipe(rl_tiny(), killed_run, [*COMMON, *actors])
+    with RLRun(cfg) as run:
+        for step in range(run.start_step, cfg.train.steps):
+            killer = None
+            if step == 1:
+                pid = run.ray_rollouts._ray.get(run.ray_rollouts.workers[0].pid.remote())
+                killer = kill_when_busy(pid)
+            run.run_step(step)
+            if killer is not None:
+                killer.join()
+        run.finish()
+    rows = read_metrics(killed_run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["infra/worker_deaths"] for r in rows] == [0, 1, 0]
+    assert [r["infra/retried_episodes"] for r in rows] == [0, 2, 0]  # one group of 2
+    assert comparable(rows) == comparable(read_metrics(actors_run))
+    assert trajectories(killed_run) == trajectories(actors_run)
+
+
+def kill_when_busy(pid: int) -> threading.Thread:
+    """SIGKILL ``pid`` once it has a child process (a test run: in the middle of an episode)."""
+
+    def has_child() -> bool:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    return True
+            except (OSError, IndexError, ValueError):
+                continue
+        return False
+
+    def run() -> None:
+        deadline = time.monotonic() + 120
+        while not has_child() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

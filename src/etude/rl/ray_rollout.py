@@ -13,20 +13,45 @@ Sampling seeds follow the group (``group_offset``), so N actors roll out the sam
 as one process with the same weights. The model is built from the ``config.json`` the file sync
 writes beside the weights; the tokenizer travels as its JSON.
 
-What this does not do: share one engine between actors, place actors on GPUs, or survive an
-actor's death inside a step (a dead rollout worker fails the step; environment-only Ray workers,
-``etude.env.ray_pool``, mask such failures instead).
+**A dying actor does not fail the step.** When an actor dies while it holds a share (its
+process killed, its node lost, the out-of-memory killer: ``RayActorError`` and its kin, see
+``INFRA_ERRORS``), a fresh actor takes its place and the share is rolled out again from the start
+on it, with the same seeds (the same episodes as if nothing had happened, at the newest weights),
+up to ``retries`` times per share and step. A share still lost after that is masked: each of its
+episodes becomes an infrastructure failure (``reward = None``, ``finish_reason = "error"``,
+``info["infra"]`` says why), which the trainer leaves out of its group's statistics and the loss
+and never scores 0. The batch's ``RolloutStats`` counts the lost actors (``worker_deaths``) and
+the episodes rolled out again (``retried_episodes``); the trainer logs them per step as
+``infra/worker_deaths`` and ``infra/retried_episodes`` (masked episodes: ``infra/episodes``). An
+exception raised by the rollout code itself (``RayTaskError``: a bad task or setting) is a bug,
+not infrastructure, and is raised.
+
+What this does not do: share one engine between actors, place actors on GPUs, resume a share
+mid-episode on another actor (it starts over; its partial episodes died with the actor), or
+detect an actor that hangs without dying (the environments' ``env.wall_clock_s`` bounds an
+episode).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from etude.env.trajectory import Trajectory
+from etude.env.trajectory import Trajectory, Turn
 from etude.tasks.record import TaskRecord
+
+INFRA_ERRORS = (
+    "RayActorError",  # the actor died (killed, crashed) or is unreachable
+    "WorkerCrashedError",
+    "NodeDiedError",
+    "OutOfMemoryError",
+    "ObjectLostError",
+)
+"""Names in ``ray.exceptions`` of the errors that mean infrastructure, not the rollout's code."""
 
 
 class RolloutWorker:
@@ -48,6 +73,9 @@ class RolloutWorker:
             env_cfg, tokenizer=self.tokenizer, base_dir=base_dir, max_workers=max_workers
         )
         self.backend: Any = None
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def _backend(self) -> Any:
         """The engine, built from the newest version's config on first use."""
@@ -138,6 +166,7 @@ class RayRollouts:
         max_workers: int,
         address: str = "",
         num_cpus: int = 2,
+        retries: int = 2,
     ) -> None:
         import ray
 
@@ -150,17 +179,34 @@ class RayRollouts:
             else:
                 ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
                 self._started = True
-        actor = ray.remote(num_cpus=0)(RolloutWorker)
-        self.workers = [
-            actor.options(scheduling_strategy="SPREAD").remote(
-                str(Path(weights_dir).resolve()),
-                tokenizer.to_json(),
-                env_cfg,
-                str(Path(base_dir).resolve()),
-                max_workers,
-            )
-            for _ in range(num_workers)
-        ]
+        if retries < 0:
+            raise ValueError(f"rollout.ray_rollout_retries={retries} must be >= 0")
+        self.retries = retries
+        self._infra = tuple(getattr(ray.exceptions, name) for name in INFRA_ERRORS)
+        self._eos_id = tokenizer.eos_id
+        self._actor = ray.remote(num_cpus=0)(RolloutWorker)
+        self._args = (
+            str(Path(weights_dir).resolve()),
+            tokenizer.to_json(),
+            env_cfg,
+            str(Path(base_dir).resolve()),
+            max_workers,
+        )
+        self._lock = threading.Lock()  # pipeline threads collect side by side (staleness > 0)
+        self.workers = [self._new_worker() for _ in range(num_workers)]
+
+    def _new_worker(self) -> Any:
+        return self._actor.options(scheduling_strategy="SPREAD").remote(*self._args)
+
+    def _replace(self, index: int, dead: Any) -> bool:
+        """Put a fresh actor in place of ``dead`` at ``index``; False if another thread did
+        (both of its calls failed: one death, counted once)."""
+        with self._lock:
+            if self.workers[index] is not dead:
+                return False
+            self._ray.kill(dead, no_restart=True)
+            self.workers[index] = self._new_worker()
+            return True
 
     def collect(
         self,
@@ -171,32 +217,78 @@ class RayRollouts:
         step: int,
         group_offset: int,
     ) -> tuple[list[Trajectory], Any]:
-        """The step's groups split into contiguous shares, one per actor; trajectories in order."""
+        """The step's groups split into contiguous shares, one per actor; trajectories in order.
+        A share whose actor dies is rolled out again on a fresh actor, or masked (see the module
+        docstring); ``worker_deaths`` and ``retried_episodes`` of the stats count it."""
         from etude.rl.rollout import RolloutStats
 
         n = len(self.workers)
         bounds = [len(tasks) * i // n for i in range(n + 1)]
-        refs = [
-            worker.rollout.remote(
-                [t.to_json() for t in tasks[bounds[i] : bounds[i + 1]]],
-                rollout_cfg,
-                seed,
-                step,
-                group_offset + bounds[i],
-            )
-            for i, worker in enumerate(self.workers)
-            if bounds[i + 1] > bounds[i]
-        ]
-        trajectories: list[Trajectory] = []
+        shares = [(i, bounds[i], bounds[i + 1]) for i in range(n) if bounds[i + 1] > bounds[i]]
         stats = RolloutStats()
-        for lines, part in self._ray.get(refs):
-            trajectories += [Trajectory.from_json(line) for line in lines]
+
+        def submit(index: int, lo: int, hi: int) -> tuple[Any, Any]:
+            worker = self.workers[index]
+            lines = [t.to_json() for t in tasks[lo:hi]]
+            ref = worker.rollout.remote(lines, rollout_cfg, seed, step, group_offset + lo)
+            return worker, ref
+
+        pending = {k: submit(*share) for k, share in enumerate(shares)}
+        attempts = dict.fromkeys(pending, 0)
+        done: dict[int, list[Trajectory]] = {}
+        while pending:
+            by_ref = {ref: k for k, (_, ref) in pending.items()}
+            ready, _ = self._ray.wait(list(by_ref), num_returns=1)
+            k = by_ref[ready[0]]
+            worker, ref = pending.pop(k)
+            index, lo, hi = shares[k]
+            try:
+                lines, part = self._ray.get(ref)
+            except self._infra as e:
+                if self._replace(index, worker):
+                    stats.worker_deaths += 1
+                episodes = (hi - lo) * rollout_cfg.group_size
+                reason = f"rollout worker lost: {type(e).__name__}"
+                if attempts[k] < self.retries:
+                    attempts[k] += 1
+                    stats.retried_episodes += episodes
+                    pending[k] = submit(index, lo, hi)
+                else:
+                    done[k] = self._masked(tasks[lo:hi], rollout_cfg.group_size, reason)
+                continue
+            done[k] = [Trajectory.from_json(line) for line in lines]
             for key, value in part.items():
                 if key in ("seconds", "rounds"):  # the actors run side by side
                     setattr(stats, key, max(getattr(stats, key), value))
                 else:
                     setattr(stats, key, getattr(stats, key) + value)
+        trajectories = [t for k in sorted(done) for t in done[k]]
         return trajectories, stats
+
+    def _masked(
+        self, tasks: Sequence[TaskRecord], group_size: int, reason: str
+    ) -> list[Trajectory]:
+        """The records of episodes lost with their actor: no reward (never 0), never trained on
+        (one untrainable token, so that the batch's forwards keep their shape)."""
+        return [
+            Trajectory(
+                task_id=task.instance_id,
+                turns=[
+                    Turn(
+                        role="user",
+                        text="",
+                        token_ids=[self._eos_id],
+                        trainable=[0],
+                        logprobs=[0.0],
+                    )
+                ],
+                reward=None,
+                finish_reason="error",
+                info={"infra": reason},
+            )
+            for task in tasks
+            for _ in range(group_size)
+        ]
 
     def close(self) -> None:
         for worker in self.workers:

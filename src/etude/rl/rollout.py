@@ -77,6 +77,9 @@ class RolloutConfig:
     ray_rollout_workers: int = 0
     """Rollout workers as Ray actors, each with its own engine and environments
     (``etude.rl.ray_rollout``; weights by ``sync.kind = "file"``); 0 = generate here."""
+    ray_rollout_retries: int = 2
+    """Times a share of a step's groups is rolled out again on a fresh actor when its rollout
+    actor dies; after that its episodes are masked as infrastructure failures (never reward 0)."""
     ray_num_cpus: int = 2
     """CPUs of the local Ray instance (with ``ray_address = ""``)."""
     server_url: str = ""
@@ -94,6 +97,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.workers={self.workers!r}: use 'local' or 'ray'")
         if self.ray_workers < 1 or self.ray_num_cpus < 1:
             raise ValueError("rollout.ray_workers and rollout.ray_num_cpus must be >= 1")
+        if self.ray_rollout_retries < 0:
+            raise ValueError(f"rollout.ray_rollout_retries={self.ray_rollout_retries} must be >= 0")
         if self.ray_rollout_workers < 0:
             raise ValueError(f"rollout.ray_rollout_workers={self.ray_rollout_workers} must be >= 0")
         if self.ray_rollout_workers and self.sync.kind != "file":
@@ -143,6 +148,10 @@ class RolloutStats:
     env_seconds: float = 0.0
     """Tool calls and reward runs."""
     seconds: float = 0.0
+    worker_deaths: int = 0
+    """Rollout actors lost while they held part of this batch (``etude.rl.ray_rollout``)."""
+    retried_episodes: int = 0
+    """Episodes rolled out again on a fresh actor after their actor was lost."""
 
     @property
     def tokens_per_second(self) -> float:

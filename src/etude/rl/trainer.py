@@ -336,6 +336,7 @@ class RLRun:
                     max_workers=cfg.rollout.num_workers,
                     address=cfg.rollout.ray_address,
                     num_cpus=cfg.rollout.ray_num_cpus,
+                    retries=cfg.rollout.ray_rollout_retries,
                 )
             )
         self.pipeline = self._stack.enter_context(
@@ -413,8 +414,12 @@ class RLRun:
         batch.extra.update(batch_metrics(taken, trajectories))
         batch.extra["infra/episodes"] = float(sum(not is_graded(t) for t in trajectories))
         take = getattr(self.env_pool, "take_failures", None)
-        if take is not None:
-            batch.extra["infra/worker_deaths"] = float(take().worker_deaths)
+        if take is not None or self.ray_rollouts is not None:
+            # Ray environment workers and Ray rollout actors lost during the step
+            deaths = take().worker_deaths if take is not None else 0
+            batch.extra["infra/worker_deaths"] = float(deaths + rstats.worker_deaths)
+        if self.ray_rollouts is not None:
+            batch.extra["infra/retried_episodes"] = float(rstats.retried_episodes)
         return batch
 
     def score(self, batch: StepBatch) -> None:
