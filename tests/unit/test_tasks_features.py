@@ -188,3 +188,34 @@ def test_a_method_the_class_body_binds_at_import_time_stays(tmp_path):
     # with the whole class the method goes too
     whole = ProposalConfig(min_lines=2, max_test_fraction=1.0)
     assert not isinstance(miner.custom_feature("minipkg.frozen", ["Frozen"], whole), str)
+
+
+def test_uses_by_another_module_are_judged_once_per_name_and_set(tmp_path):
+    """``user`` imports ``a`` and ``b`` from ``base`` and calls ``a``: deleting ``a`` (alone or
+    with others) is refused, ``b`` or ``c`` may go. Each answer is a LibCST pass over ``user``,
+    computed once (the groups ask again for every candidate subset)."""
+    files = {
+        "minipkg/base.py": "def a():\n    return 1\n\n\ndef b():\n    return 2\n\n\n"
+        "def c():\n    return 3\n",
+        "minipkg/user.py": "from minipkg.base import a, b\n\n\ndef twice():\n    return 2 * a()\n",
+    }
+    root = write_mini_repo(tmp_path, files)
+    layout = detect_layout(root)
+    index = index_package(root, layout)
+    baseline = Baseline(
+        passing=OTHER,
+        failing=(),
+        flaky=(),
+        canonical={},
+        line_tests={},
+        importable=tuple(layout.modules),
+    )
+    miner = Miner(layout, index, baseline, index_test_imports(root, layout))
+    base = miner.index["minipkg.base"]
+    asked = [{"a"}, {"b"}, {"c"}, {"b", "c"}, {"a", "b"}, {"a", "b", "c"}]
+    expected = [["minipkg.user"], [], [], [], ["minipkg.user"], ["minipkg.user"]]
+    assert [miner._external_users(base, names) for names in asked] == expected
+    # one pass per name user imports, none for the set of names it uses one of
+    assert sorted(sorted(k[3]) for k in miner._unlink_cache) == [["a"], ["b"]]
+    assert [miner._external_users(base, names) for names in asked] == expected
+    assert len(miner._unlink_cache) == 2

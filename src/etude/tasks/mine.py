@@ -138,6 +138,7 @@ class Miner:
         self.test_imports = test_imports
         self.passing = frozenset(baseline.passing)
         self._without_cache: dict[tuple[str, tuple[str, ...]], ModuleIndex | Exception] = {}
+        self._unlink_cache: dict[tuple[str, str, str, frozenset[str]], bool] = {}
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -218,7 +219,12 @@ class Miner:
                 except (DeletionError, SyntaxError, ValueError):
                     users.append(original.module)
                     continue
-            imports_names = any(i.module == mod.module and i.name in names for i in other.imports)
+            imported = frozenset(
+                i.name
+                for i in other.imports
+                if i.module == mod.module and i.name is not None and i.name in names
+            )
+            imports_names = bool(imported)
             imports_module = any(
                 i.module == mod.module
                 or (i.name is not None and f"{i.module}.{i.name}" == mod.module)
@@ -227,18 +233,35 @@ class Miner:
             if imports_module and not imports_names and names & other.module_attr_refs:
                 users.append(other.module)
                 continue
-            if imports_names:
-                try:
-                    unlink_imports(
-                        other.source,
-                        importer=other.module,
-                        importer_is_package=other.path.endswith("__init__.py"),
-                        removed_names={mod.module: names},
-                        removed_modules=set(),
-                    )
-                except DeletionError:
-                    users.append(other.module)
+            if imports_names and self._still_used(other, mod.module, imported):
+                users.append(other.module)
         return users
+
+    def _still_used(self, other: ModuleIndex, module: str, names: frozenset[str]) -> bool:
+        """Whether ``other`` still uses one of ``names`` (which it imports from ``module``) once
+        their imports are removed. A name still used alone is still used beside others (removing
+        more imports takes no use away), so each name is tried alone first and the set only when
+        none is; each answer is computed once (LibCST on the whole module: the feature groups
+        ask again for every candidate subset, minutes per build on more-itertools otherwise)."""
+        if any(self._unlink_fails(other, module, frozenset({n})) for n in sorted(names)):
+            return True
+        return len(names) > 1 and self._unlink_fails(other, module, names)
+
+    def _unlink_fails(self, other: ModuleIndex, module: str, names: frozenset[str]) -> bool:
+        key = (other.path, other.source, module, names)
+        if key not in self._unlink_cache:
+            try:
+                unlink_imports(
+                    other.source,
+                    importer=other.module,
+                    importer_is_package=other.path.endswith("__init__.py"),
+                    removed_names={module: set(names)},
+                    removed_modules=set(),
+                )
+                self._unlink_cache[key] = False
+            except DeletionError:
+                self._unlink_cache[key] = True
+        return self._unlink_cache[key]
 
     def _module_importers(self, module: str) -> list[str]:
         users = []
