@@ -11,6 +11,7 @@ flagged, never as a record of less).
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -295,3 +296,20 @@ def test_arguments_changed_after_they_were_read_are_recorded_as_run(
     args = [argv[1:] for argv in prov.processes]
     assert ["-c", "import time; pass"] in args  # what the (stale) read saw
     assert ["-c", "import time; time.sleep(0.5)"] in args  # what ran
+
+
+@needs_fanotify
+def test_closing_the_sandbox_during_a_command_waits_for_its_record(sandbox, workspace):
+    """``close`` (the episode ends) from another thread while a command runs: the command's
+    record is whole, the groups go after it, and a later command makes new ones."""
+    results = []
+    runner = threading.Thread(
+        target=lambda: results.append(sandbox.run("sleep 0.5; cat a.txt", workspace))
+    )
+    runner.start()
+    time.sleep(0.2)
+    sandbox.close()
+    runner.join()
+    assert results[0].exit_code == 0 and results[0].provenance.complete
+    assert results[0].provenance.read == ["a.txt"]
+    assert record(sandbox, "cat sub/x.py > /dev/null", workspace).read == ["sub/x.py"]

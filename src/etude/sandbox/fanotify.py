@@ -158,9 +158,11 @@ class FanotifyGroups:
         return self._fds
 
     def close(self) -> None:
-        if self._finalizer is not None and self._owner == os.getpid():
-            self._finalizer()
-        self._fds = self._finalizer = None
+        """Release the groups (after the command that holds them, if one runs)."""
+        with self.lock:
+            if self._finalizer is not None and self._owner == os.getpid():
+                self._finalizer()
+            self._fds = self._finalizer = None
 
 
 def info_records(buf: bytes, at: int, end: int) -> tuple[dict[int, tuple[bytes, bytes]], bytes]:

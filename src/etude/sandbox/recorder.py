@@ -68,6 +68,7 @@ it (``prov.record_lost``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -210,13 +211,7 @@ class FanotifyRecorder:
         """Events queued since the last command are not this one's (this process's own work
         in the workspace, a previous overflow): read and drop them."""
         for group in (self.group_a, self.group_b, self.group_c):
-            while True:
-                try:
-                    buf = os.read(group, READ_BYTES)
-                except BlockingIOError:
-                    break
-                except OSError:  # Linux < 6.13, group C: a file that could not be reopened
-                    continue
+            while (buf := _read_queue(group)) is not None:
                 for _, fd in events(buf):
                     if group == self.group_b:
                         allow(group, fd)
@@ -357,9 +352,8 @@ class FanotifyRecorder:
 
     def _read_b(self) -> bool:
         """Permission events: record the argv of each ``execve``, then let it go on."""
-        try:
-            buf = os.read(self.group_b, READ_BYTES)
-        except BlockingIOError:
+        buf = _read_queue(self.group_b)
+        if buf is None:
             return False
         off = 0
         while off + META.size <= len(buf):
@@ -449,12 +443,9 @@ class FanotifyRecorder:
         exits, and another process's ``maps``, ``stat`` or ``mountinfo`` tell what its own do
         (one namespace). A file that can no longer be opened (its process ended before the
         event was read) is not recorded."""
-        try:
-            buf = os.read(self.group_c, READ_BYTES)
-        except BlockingIOError:
+        buf = _read_queue(self.group_c)
+        if buf is None:
             return False
-        except OSError:  # Linux < 6.13: an event whose file could not be reopened
-            return True
         off = 0
         while off + META.size <= len(buf):
             length, _, _, _, mask, fd, pid = META.unpack_from(buf, off)
@@ -483,9 +474,8 @@ class FanotifyRecorder:
         return True
 
     def _read_a(self) -> bool:
-        try:
-            buf = os.read(self.group_a, READ_BYTES)
-        except BlockingIOError:
+        buf = _read_queue(self.group_a)
+        if buf is None:
             return False
         flags, dirs, skip = self._flags, self._dirs, (self._bwrap_pid, self._own_pid)
         off = 0
@@ -629,6 +619,8 @@ class FanotifyRecorder:
         readers = (self._read_b, self._read_a, self._read_c)
         while self.error is None and any([read() for read in readers]):
             pass
+        if self.error is not None:
+            self._discard_pending()
         for fd in self._mount_fds.values():
             os.close(fd)
         self.gate.close()
@@ -647,3 +639,17 @@ class FanotifyRecorder:
         prov.overflow = self.overflow
         prov.complete = self.complete and not self.overflow
         return prov
+
+
+def _read_queue(group: int) -> bytes | None:
+    """The next events of a group; None when none is queued. ``b""`` when the kernel could not
+    reopen an event's file for the reader (Linux < 6.13 reports that as the read's error, and
+    the event is gone): read again."""
+    try:
+        return os.read(group, READ_BYTES)
+    except BlockingIOError:
+        return None
+    except OSError as e:
+        if e.errno == errno.EBADF:
+            raise  # the group itself is gone: not an event's error
+        return b""
