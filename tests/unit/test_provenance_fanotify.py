@@ -313,3 +313,33 @@ def test_closing_the_sandbox_during_a_command_waits_for_its_record(sandbox, work
     assert results[0].exit_code == 0 and results[0].provenance.complete
     assert results[0].provenance.read == ["a.txt"]
     assert record(sandbox, "cat sub/x.py > /dev/null", workspace).read == ["sub/x.py"]
+
+
+@needs_fanotify
+def test_sandboxes_in_threads_keep_their_own_queues(workspace):
+    """Episodes run side by side in threads (the env pool), each sandbox with its groups: a
+    descriptor closed twice by one would be another's by then (a group read as garbage, a
+    command that never ends). Every record is whole and each holds its own command's read."""
+
+    def episode(i: int) -> None:
+        ws = Path(tempfile.mkdtemp(prefix=f"etude-fan-pool-{i}-"))
+        (ws / f"f{i}.txt").write_text("x")
+        sandbox = BwrapSandbox(
+            SandboxConfig(backend="bwrap", provenance=True, provenance_mechanism="fanotify")
+        )
+        try:
+            for _ in range(8):
+                prov = sandbox.run(f"cat f{i}.txt > /dev/null", ws).provenance
+                outcomes.append(prov.complete and prov.read == [f"f{i}.txt"])
+        finally:
+            sandbox.close()
+            shutil.rmtree(ws, ignore_errors=True)
+
+    outcomes: list[bool] = []
+    threads = [threading.Thread(target=episode, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a recorder never finished"
+    assert outcomes == [True] * 32

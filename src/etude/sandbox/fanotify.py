@@ -173,6 +173,7 @@ def info_records(buf: bytes, at: int, end: int) -> tuple[dict[int, tuple[bytes, 
     child = b""
     while at + _INFO.size <= end:
         kind, _, size = _INFO.unpack_from(buf, at)
+        assert size >= _INFO.size, "a malformed fanotify information record"
         hsize = _U32.unpack_from(buf, at + 12)[0]
         handle = buf[at + 4 : at + 12] + buf[at + 16 : at + 20 + hsize]
         if kind == INFO_FID:
@@ -188,6 +189,7 @@ def events(buf: bytes) -> Iterator[tuple[int, int]]:
     off = 0
     while off + META.size <= len(buf):
         length, _, _, _, mask, fd, _ = META.unpack_from(buf, off)
+        assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
         off += length
         yield mask, fd
 

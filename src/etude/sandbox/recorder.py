@@ -358,6 +358,7 @@ class FanotifyRecorder:
         off = 0
         while off + META.size <= len(buf):
             length, _, _, _, mask, fd, pid = META.unpack_from(buf, off)
+            assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
             off += length
             if mask & FAN_Q_OVERFLOW:
                 self.overflow = True
@@ -449,6 +450,7 @@ class FanotifyRecorder:
         off = 0
         while off + META.size <= len(buf):
             length, _, _, _, mask, fd, pid = META.unpack_from(buf, off)
+            assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
             off += length
             if mask & FAN_Q_OVERFLOW:
                 self.overflow = True
@@ -481,6 +483,7 @@ class FanotifyRecorder:
         off = 0
         while off + META.size <= len(buf):
             length, _, _, meta_len, mask, _, pid = META.unpack_from(buf, off)
+            assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
             at, end = off + meta_len, off + length
             off = end
             if mask & FAN_Q_OVERFLOW:
