@@ -147,6 +147,51 @@ def test_sandbox_filesystem_copy_of_a_stdlib_function_is_found():
     assert search.copies_of(deleted) == found and search.runs == 1  # cached by digest
 
 
+SMALL = '''
+def nth_or_last(iterable, n, default=_marker):
+    """Return the nth or the last item of *iterable*, or *default* if it is empty."""
+    return last(islice(iterable, n + 1), default=default)
+'''
+
+
+def test_small_definition_matches_only_itself_by_name_code_and_docstring():
+    """A one-line function is too small to mean anything by its code alone, but the same
+    function, name and docstring included, is a vendored copy (more-itertools 10.7.0's
+    ``nth_or_last`` in setuptools' ``_vendor`` was accepted as a task before)."""
+    (deleted,) = definitions_of_source(SMALL, "more_itertools/more.py")
+    assert deleted.nodes < 30 and deleted.doc
+    renamed = SMALL.replace("(iterable, n, default=_marker)", "(it, k, d=_marker)")
+    renamed = renamed.replace("(iterable, n + 1), default=default", "(it, k + 1), default=d")
+    undocumented = SMALL.replace('    """Return', "    # Return").replace('empty."""', "empty.")
+    files = [
+        ("vendor/more.py", SMALL),
+        ("vendor/renamed.py", renamed),
+        ("other_name.py", SMALL.replace("def nth_or_last", "def pick")),
+        ("other_doc.py", SMALL.replace("Return the nth", "Give the nth")),
+        ("no_doc.py", undocumented),
+        ("other_code.py", SMALL.replace("n + 1", "n + 2")),
+    ]
+    found = find_copies([deleted], files, min_nodes=30)
+    assert sorted(c.path for c in found) == ["vendor/more.py", "vendor/renamed.py"]
+    assert {c.how for c in found} == {"exact, same name and docstring"}
+    # without a docstring a small definition is not searched at all
+    (bare,) = definitions_of_source(undocumented, "more_itertools/more.py")
+    assert not bare.doc and find_copies([bare], files, min_nodes=30) == []
+
+
+def test_sandbox_filesystem_copy_of_a_small_documented_function_is_found():
+    """``shlex.join`` (19 AST nodes, documented) deleted from a package is found in the
+    standard library the sandbox's interpreter reads, with the build's ``min_nodes``."""
+    source = textwrap.dedent(inspect.getsource(shlex.join))
+    (deleted,) = definitions_of_source(source, "pkg/quoting.py")
+    assert deleted.nodes < 30
+    search = SandboxCopies(make_sandbox("auto", SandboxConfig(timeout_s=120)), min_nodes=30)
+    found = search.copies_of([deleted])
+    assert [(c.path.rsplit("/", 1)[-1], c.qualname, c.how) for c in found] == [
+        ("shlex.py", "join", "exact, same name and docstring")
+    ]
+
+
 VENDORED = {
     "minipkg/counting.py": '''\
         """Counting helpers."""

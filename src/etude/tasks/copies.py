@@ -25,8 +25,11 @@ the sandbox over the interpreter's ``sys.path`` (the filesystem the agent's Pyth
 looking only at files that define one of the wanted names.
 
 Small definitions (fewer than ``min_nodes`` AST nodes after normalization, e.g.
-``return self._x``) are not searched: a one-line getter matches too much to mean anything; the
-difficulty floor rejects such tasks. This module imports only the standard library so that it
+``return self._x``) match too much to mean anything by their code alone, so one is searched only
+when it has a docstring, and matches only a definition of the same name, the same normalized code
+and the same docstring: a vendored copy (more-itertools' one-line ``nth_or_last``, docstring and
+all, in setuptools' ``_vendor`` on the sandbox's filesystem, was accepted as a task before), not
+an idiom. This module imports only the standard library so that it
 can run as a script in the sandbox.
 
 What this module does not do: decide what happens to a copy (the factory deletes it with the
@@ -82,6 +85,18 @@ class Definition:
     anchors: tuple[str, ...] = ()
     """Names and strings a copy keeps (globals, attributes, string constants): a file that lacks
     most of them is not parsed (``scan_paths``)."""
+    doc: str = ""
+    """sha1 of its docstring (``inspect.cleandoc``-ed), ``""`` without one."""
+
+    @property
+    def name(self) -> str:
+        return self.qualname.rsplit(".", 1)[-1]
+
+    @property
+    def key(self) -> str:
+        """What a search for it depends on: code, name (searches look for definitions of the
+        same name) and docstring (small definitions match on it)."""
+        return f"{self.digest}:{self.name}:{self.doc}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +280,15 @@ def definitions_of_tree(
                 nodes=nodes,
                 statements=_statement_digests(node),
                 anchors=anchors,
+                doc=_doc_digest(node),
             )
         )
     return out
+
+
+def _doc_digest(node: ast.AST) -> str:
+    doc = ast.get_docstring(node) if isinstance(node, _DEFS) else None  # type: ignore[arg-type]
+    return hashlib.sha1(doc.encode()).hexdigest() if doc else ""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -344,8 +365,8 @@ def definitions_of_text(path: str, text: str) -> list[Definition]:
 
 
 def searchable(deleted: Iterable[Definition], min_nodes: int = MIN_NODES) -> list[Definition]:
-    """The deleted definitions big enough to search for."""
-    return [d for d in deleted if d.nodes >= min_nodes]
+    """The deleted definitions to search for: big enough, or small with a docstring."""
+    return [d for d in deleted if d.nodes >= min_nodes or d.doc]
 
 
 def match(
@@ -354,8 +375,13 @@ def match(
     *,
     min_shared: int = MIN_SHARED_STATEMENTS,
     min_share: float = MIN_STATEMENT_SHARE,
+    min_nodes: int = MIN_NODES,
 ) -> str | None:
-    """How ``other`` copies ``deleted`` (``exact``, ``N of M statements``), or None."""
+    """How ``other`` copies ``deleted`` (``exact``, ``N of M statements``), or None. A deleted
+    definition smaller than ``min_nodes`` matches only itself: same name, code and docstring."""
+    if deleted.nodes < min_nodes:
+        same = (other.digest, other.name, other.doc) == (deleted.digest, deleted.name, deleted.doc)
+        return "exact, same name and docstring" if same and deleted.doc else None
     if other.digest == deleted.digest:
         return "exact"
     if deleted.statements and other.statements:
@@ -398,10 +424,10 @@ def find_copies(
         if "def " not in text and "class " not in text:
             continue
         for other in _cached_definitions(path, text):
-            if other.nodes < min_nodes // 2:
-                continue
             for d in wanted:
-                how = match(d, other)
+                if other.nodes < min_nodes // 2 and d.nodes >= min_nodes:
+                    continue
+                how = match(d, other, min_nodes=min_nodes)
                 if how is not None:
                     out.append(
                         Copy(
@@ -515,7 +541,9 @@ def scan_paths(
                 for line, block in definition_blocks(text, wanted_names):
                     found += [
                         asdict(c)
-                        for c in find_copies(likely, [(f"{path}", block)], line_offset=line)
+                        for c in find_copies(
+                            likely, [(f"{path}", block)], min_nodes=min_nodes, line_offset=line
+                        )
                     ]
     return found
 
@@ -530,15 +558,17 @@ WANTED_FILE = "etude-wanted-definitions.json"
 
 
 def _sandbox_main() -> None:
-    """Sandbox entry: read the wanted definitions from ``WANTED_FILE`` in the working directory
-    (an otherwise empty directory), scan every ``sys.path`` entry outside it, print JSON."""
+    """Sandbox entry: read ``{"min_nodes": N, "definitions": [...]}`` from ``WANTED_FILE`` in
+    the working directory (an otherwise empty directory), scan every ``sys.path`` entry outside
+    it, print JSON."""
     with open(WANTED_FILE, encoding="utf-8") as f:
         wanted = json.load(f)
     cwd = os.path.realpath(os.getcwd())
     roots = [
         p for p in sys.path if p and os.path.isdir(p) and not os.path.realpath(p).startswith(cwd)
     ]
-    print(json.dumps(scan_paths(roots, wanted)))
+    found = scan_paths(roots, wanted["definitions"], min_nodes=int(wanted["min_nodes"]))
+    print(json.dumps(found))
 
 
 # the sandbox runs this file's text with ``python -c`` (``__name__`` is then ``__main__``)

@@ -8,7 +8,7 @@
   stubs, changelogs, vendored code, the installed test dependencies);
 - ``SandboxCopies``: copies on the filesystem the sandbox's interpreter can read (its
   ``sys.path`` outside the workspace), found by running the search inside the sandbox, once per
-  batch of definitions, with the results cached by digest;
+  batch of definitions, with the results cached by definition key (code, name, docstring);
 - ``extend_with_copies``: a feature that also deletes the copies that lie in modules of the
   package, when the miner's static checks allow it (nothing else uses them), or the one-line
   reason why the task must be rejected (a copy in a test, a doc, another distribution, or one
@@ -52,13 +52,13 @@ def workspace_copies(
 
 
 # The sandbox's filesystem outside the workspace is the interpreter's installation, the same
-# for every factory of this process: results are shared by (backend, interpreter, digest).
+# for every factory of this process: results are shared by (backend, interpreter, key).
 _PROCESS_CACHE: dict[tuple[str, str, str], list[Copy]] = {}
 _PROCESS_LOCK = threading.Lock()
 
 
 class SandboxCopies:
-    """Copies on the sandbox-visible filesystem, cached by the deleted definition's digest (for
+    """Copies on the sandbox-visible filesystem, cached by the deleted definition's key (for
     the life of the process: an interpreter's installation does not change during a build)."""
 
     def __init__(self, sandbox: Any, *, min_nodes: int, timeout: float = 300.0) -> None:
@@ -75,15 +75,18 @@ class SandboxCopies:
         """Search for every definition not searched yet, in one sandboxed run."""
         with self._lock:
             todo = {
-                d.digest: d
+                d.key: d
                 for d in copies_module.searchable(definitions, self.min_nodes)
-                if d.digest not in self._found
+                if d.key not in self._found
             }
             if not todo:
                 return
             script = Path(copies_module.__file__).read_text(encoding="utf-8")
             with tempfile.TemporaryDirectory(prefix="etude-copies-") as empty:
-                wanted = [definition_to_json(d) for d in todo.values()]
+                wanted = {
+                    "min_nodes": self.min_nodes,
+                    "definitions": [definition_to_json(d) for d in todo.values()],
+                }
                 (Path(empty) / copies_module.WANTED_FILE).write_text(json.dumps(wanted))
                 result = self.sandbox.run(
                     ["python", "-I", "-c", script], empty, timeout=self.timeout
@@ -96,13 +99,13 @@ class SandboxCopies:
                     f"(exit {result.exit_code}): {result.stderr[-1000:]}"
                 )
             found = json.loads(result.stdout.strip().splitlines()[-1])
-            by_key = {f"{d.path}:{d.qualname}": d.digest for d in todo.values()}
-            for digest in todo:
-                self._found[digest] = []
+            by_key = {f"{d.path}:{d.qualname}": d.key for d in todo.values()}
+            for key in todo:
+                self._found[key] = []
             for item in found:
-                digest = by_key.get(str(item["deleted"]))
-                if digest is not None:
-                    self._found[digest].append(Copy(**item))  # type: ignore[arg-type]
+                key = by_key.get(str(item["deleted"]))
+                if key is not None:
+                    self._found[key].append(Copy(**item))  # type: ignore[arg-type]
 
     def copies_of(self, definitions: Iterable[Definition]) -> list[Copy]:
         """Sandbox-filesystem copies of ``definitions`` (searching for new ones first)."""
@@ -110,7 +113,7 @@ class SandboxCopies:
         self.prefetch(definitions)
         out: list[Copy] = []
         for d in copies_module.searchable(definitions, self.min_nodes):
-            out += self._found.get(d.digest, [])
+            out += self._found.get(d.key, [])
         return out
 
 
