@@ -220,7 +220,6 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     stalenesses = args.stalenesses
     runs: dict[int, list[dict]] = {k: [] for k in stalenesses}
-    loads = [load_line()]
     with contextlib.ExitStack() as stack:
         if args.runs_dir is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="etude-bench-")))
@@ -264,7 +263,6 @@ def main() -> None:
                     f"env s {[round(t) for t in row['env_seconds']]}",
                     file=sys.stderr,
                 )
-            loads.append(load_line())
     results: dict[str, float | str] = {
         "steps": args.steps,
         "seeds": args.seeds,
@@ -273,7 +271,6 @@ def main() -> None:
         "slow_tasks": len(slow),
         "tasks": len(load_tasks(args.warm_start / "tasks" / "tasks.jsonl")),
         "warm_start": str(args.warm_start),
-        "loads_per_seed": " | ".join(loads[1:]),
         "loads_per_run": " | ".join(
             f"s{seed}k{k}: {r.get('load_after', '?')}"
             for k in stalenesses
@@ -281,8 +278,6 @@ def main() -> None:
         ),
         "slow_steps_per_seed": " ".join(patterns),
         "env_threads": args.env_threads,
-        "load_before": loads[0],
-        "load_after": loads[-1],
     }
     print(
         f"{'staleness':>9} {'steps/h':>8} {'x min':>6} {'x mean':>6} {'bound':>6} {'idle':>5} "
@@ -314,7 +309,8 @@ def main() -> None:
             entry[f"speedup_seed{seed}"] = ratio
             entry[f"schedule_bound_seed{seed}"] = bound
             entry[f"idle_fraction_seed{seed}"] = r["idle_fraction"]
-            entry[f"cpu_share_seed{seed}"] = r.get("cpu_share", float("nan"))
+            if "cpu_share" in r:
+                entry[f"cpu_share_seed{seed}"] = r["cpu_share"]
         for key, value in entry.items():
             results[f"staleness{k}_{key}"] = round(value, 4)
         print(
@@ -327,7 +323,7 @@ def main() -> None:
             results[f"steps_per_hour_staleness{k}_over_0"] = round(min(ratios), 4)
             results[f"steps_per_hour_staleness{k}_over_0_min"] = round(min(ratios), 4)
             results[f"steps_per_hour_staleness{k}_over_0_mean"] = round(statistics.fmean(ratios), 4)
-    print(f"load: before {loads[0]!r}, after {loads[-1]!r}", file=sys.stderr)
+    print(f"load at the end of each run: {results['loads_per_run']}", file=sys.stderr)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(f"wrote {RESULTS}", file=sys.stderr)
