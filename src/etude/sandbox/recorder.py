@@ -77,7 +77,7 @@ import re
 import stat
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from etude.sandbox.base import Leader, Spawner
@@ -350,19 +350,25 @@ class FanotifyRecorder:
             self.complete = False
             self._discard_pending()
 
+    def _events(self, buf: bytes) -> Iterator[tuple[int, int, int, int, int]]:
+        """``(mask, fd, pid, info_start, end)`` of each event in ``buf``, offsets into it; a
+        queue overflow marks the record instead of being yielded."""
+        off = 0
+        while off + META.size <= len(buf):
+            length, _, _, meta_len, mask, fd, pid = META.unpack_from(buf, off)
+            assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
+            start, off = off, off + length
+            if mask & FAN_Q_OVERFLOW:
+                self.overflow = True
+                continue
+            yield mask, fd, pid, start + meta_len, off
+
     def _read_b(self) -> bool:
         """Permission events: record the argv of each ``execve``, then let it go on."""
         buf = _read_queue(self.group_b)
         if buf is None:
             return False
-        off = 0
-        while off + META.size <= len(buf):
-            length, _, _, _, mask, fd, pid = META.unpack_from(buf, off)
-            assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
-            off += length
-            if mask & FAN_Q_OVERFLOW:
-                self.overflow = True
-                continue
+        for _, fd, pid, _, _ in self._events(buf):
             try:
                 self._exec_event(fd, pid)
             except Exception as e:  # noqa: BLE001 - every held execve must be answered
@@ -447,14 +453,7 @@ class FanotifyRecorder:
         buf = _read_queue(self.group_c)
         if buf is None:
             return False
-        off = 0
-        while off + META.size <= len(buf):
-            length, _, _, _, mask, fd, pid = META.unpack_from(buf, off)
-            assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
-            off += length
-            if mask & FAN_Q_OVERFLOW:
-                self.overflow = True
-                continue
+        for _, fd, pid, _, _ in self._events(buf):
             if fd < 0:
                 continue
             try:
@@ -480,15 +479,7 @@ class FanotifyRecorder:
         if buf is None:
             return False
         flags, dirs, skip = self._flags, self._dirs, (self._bwrap_pid, self._own_pid)
-        off = 0
-        while off + META.size <= len(buf):
-            length, _, _, meta_len, mask, _, pid = META.unpack_from(buf, off)
-            assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
-            at, end = off + meta_len, off + length
-            off = end
-            if mask & FAN_Q_OVERFLOW:
-                self.overflow = True
-                continue
+        for mask, _, pid, at, end in self._events(buf):
             if pid in skip:
                 continue  # bwrap's first process, and this one's look at the mounts
             self.num_events += 1
