@@ -30,6 +30,7 @@ the demo shows the machinery working end to end, with honest numbers.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -169,9 +170,20 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def episode_metrics(trajectories: list, num_tasks: int) -> dict[str, float]:
-    """pass@1 with its 95% interval, reward, submits and the tool-call error rates per turn."""
+    """pass@1 with its 95% interval, reward, submits and the tool-call error rates per turn.
+
+    ``valid_after_malformed``: of the assistant turns right after a turn with a malformed call
+    (``turns_after_malformed`` of them), the fraction that make a tool call without any error:
+    whether the policy recovers from its own broken call JSON.
+    """
     n = len(trajectories)
     turns = [turn for t in trajectories for _, turn in t.assistant_turns()]
+    after_malformed = [
+        bool(turn.tool_calls) and not turn.errors
+        for t in trajectories
+        for (_, prev), (_, turn) in itertools.pairwise(t.assistant_turns())
+        if any(e.kind == "malformed_json" for e in prev.errors)
+    ]
     errors = Counter(e.kind for turn in turns for e in turn.errors)
     passes = sum(float(t.reward or 0.0) >= 1.0 for t in trajectories)
     low, high = wilson_interval(passes, n)
@@ -196,6 +208,8 @@ def episode_metrics(trajectories: list, num_tasks: int) -> dict[str, float]:
         "targeted_error_rate": (errors.get("unknown_tool", 0) + errors.get("malformed_json", 0))
         / max(len(turns), 1),
         "tool_error_rate": sum(errors.values()) / max(len(turns), 1),
+        "turns_after_malformed": float(len(after_malformed)),
+        "valid_after_malformed": sum(after_malformed) / max(len(after_malformed), 1),
     }
 
 

@@ -86,3 +86,32 @@ def test_monitor_reads_a_demo_run_directory(tmp_path):
     (tmp_path / "sft" / "metrics.jsonl").write_text("")
     names = [p.relative_to(tmp_path).as_posix() for p in _trajectory_files(tmp_path)]
     assert names == ["eval_trajectories.jsonl", "trajectories/step_000001.jsonl"]
+
+
+def test_episode_metrics_count_valid_calls_right_after_a_malformed_one():
+    from etude.demo import episode_metrics
+    from etude.env.trajectory import ToolCall, ToolError, Trajectory, Turn
+
+    def turn(kind: str | None) -> Turn:
+        errors = [ToolError(kind=kind, message=kind)] if kind else []
+        calls = [] if kind == "malformed_json" else [ToolCall(name="list_files")]
+        return Turn(role="assistant", text="", tool_calls=calls, errors=errors)
+
+    def tool() -> Turn:
+        return Turn(role="tool", text="x")
+
+    a = Trajectory(task_id="a", turns=[turn("malformed_json"), tool(), turn(None), tool()])
+    # malformed, malformed, unknown tool: two turns after a malformed one, neither valid
+    b = Trajectory(
+        task_id="b",
+        turns=[
+            turn("malformed_json"),
+            tool(),
+            turn("malformed_json"),
+            tool(),
+            turn("unknown_tool"),
+        ],
+    )
+    m = episode_metrics([a, b], 2)
+    assert m["turns_after_malformed"] == 3.0 and m["valid_after_malformed"] == 1 / 3
+    assert episode_metrics([], 0)["valid_after_malformed"] == 0.0

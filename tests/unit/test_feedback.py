@@ -296,3 +296,56 @@ def test_sft_clean_episodes_are_oracle_runs_without_mistakes(
     assert clean.info["oracle_mistake_rate"] == 0.0 and clean.reward == 1.0
     with pytest.raises(ValueError, match="clean_episodes"):
         SFTDataConfig(clean_episodes=-1)
+
+
+def test_sft_recovery_mistakes_train_the_turn_after_the_error_not_the_mistake(
+    tok: Tokenizer, tmp_path: Path
+) -> None:
+    from etude.rl.sft import SFTDataConfig, oracle_examples
+
+    kinds = ("unknown_tool", "malformed_json")
+    task = load_tasks(TASKS / "tasks.jsonl")[0]
+    agent = OracleAgent(task, base_dir=str(TASKS), mistake_rate=0.6, mistakes=kinds, seed=2)
+    with CodingEnv(task, EnvConfig(work_dir=str(tmp_path)), tokenizer=tok, base_dir=TASKS) as env:
+        traj = run_episode(env, agent)
+    oracle_turns = traj.info["oracle_turns"]
+    assert set(kinds) <= {t["mistake"] for t in oracle_turns} and traj.reward == 1.0
+
+    def episode_mask(**data) -> list[int]:
+        config = SFTDataConfig(max_seq_len=100_000, mistakes=kinds, hint_examples=False, **data)
+        (example,) = oracle_examples([traj], tok, config, FeedbackConfig())
+        assert example.kind == "episode" and example.ids == traj.token_ids
+        return example.mask
+
+    mask = episode_mask(recovery_mistakes=("malformed_json",))
+    imitated = episode_mask()
+    offsets = traj.turn_offsets()
+    assistant = [i for i, _ in traj.assistant_turns()]
+    recovered = 0
+    for k, oracle_turn in enumerate(oracle_turns):
+        i = assistant[k]
+        turn = traj.turns[i]
+        span = slice(offsets[i], offsets[i] + len(turn.token_ids))
+        assert imitated[span] == turn.trainable  # the default imitates every kind
+        if oracle_turn["mistake"] != "malformed_json":
+            assert mask[span] == turn.trainable  # planned turns and unknown tools: imitated
+            continue
+        recovered += 1
+        assert not any(mask[span])  # the malformed turn carries no loss
+        # the environment's real error observation, then the oracle's planned turn with loss
+        (error,) = turn.errors
+        observation = traj.turns[i + 1]
+        assert observation.role == "tool" and not any(mask[offsets[i + 1] : offsets[i + 2]])
+        assert error.kind == "malformed_json" and observation.text == error.message
+        assert observation.text.startswith("Malformed tool call:")
+        assert assistant[k + 1] == i + 2
+        after = traj.turns[i + 2]
+        after_mask = mask[offsets[i + 2] : offsets[i + 2] + len(after.token_ids)]
+        assert after_mask == after.trainable and any(after_mask)
+        trained = [t for t, m in zip(after.token_ids, after_mask) if m]
+        assert tok.decode(trained[:-1]) == oracle_turn["corrected"] and not after.errors
+    assert recovered > 0
+    with pytest.raises(ValueError, match=r"data.recovery_mistakes: 'malformed_json' is not in"):
+        SFTDataConfig(mistakes=("unknown_tool",), recovery_mistakes=("malformed_json",))
+    with pytest.raises(ValueError, match="data.recovery_mistakes: 'skip_tests'"):
+        SFTDataConfig(mistakes=("skip_tests",), recovery_mistakes=("skip_tests",))

@@ -13,6 +13,12 @@ mistaken turn, the detector's hint as a system message, then the oracle's correc
 on that turn only). After training, `hint_preference` measures on those examples whether the
 hinted model prefers the corrected turn where the unhinted one prefers the mistake.
 
+Recovery (``data.recovery_mistakes``): a mistake the policy makes on its own (broken call
+JSON) is taught by what follows it, not by imitation: in the episode the mistaken turn carries no
+loss, the environment's real error observation follows it, and the oracle's next (planned) turn
+is trained like every other, so the model learns to go on after its own malformed call. The
+kinds not listed are imitated (``train_on_mistakes``).
+
 Data: ``data.episodes_per_task`` oracle episodes per task (seeds 0..n-1), cached in
 ``RUN/sft_trajectories.jsonl`` so a resumed run trains on the same data. Episodes are whole: one
 longer than ``data.max_seq_len`` or not ending in a passing submit is left out, never cut
@@ -72,7 +78,16 @@ class SFTDataConfig:
     mistakes: tuple[str, ...] = ("unknown_tool",)
     """Mistake kinds the oracle injects (see etude.env.oracle.MISTAKE_KINDS)."""
     train_on_mistakes: bool = True
-    """Imitate mistaken turns too (RL then has mistakes to correct)."""
+    """Imitate mistaken turns too (RL then has mistakes to correct); False: no kind is imitated,
+    as if every kind were in ``recovery_mistakes``."""
+    recovery_mistakes: tuple[str, ...] = ()
+    """Kinds of ``mistakes`` taught as recovery, not imitation: their turns carry no loss (the
+    model must not learn to make them), while the rest of the episode keeps its loss, so the
+    turn right after one (the oracle's planned turn, written after the environment's real error
+    observation, e.g. ``Malformed tool call: ...`` for ``malformed_json``) teaches how to go on
+    after that mistake. Meant for mistakes a tiny policy makes on its own (broken call JSON:
+    docs/text-feedback.md), which an imitating warm start never saw anyone go on after.
+    ``skip_tests`` can not be recovered from (it ends the episode)."""
     hint_examples: bool = True
     """Add the hint-following examples (mistake context + hint + corrected turn)."""
     hint_weight: int = 2
@@ -96,6 +111,19 @@ class SFTDataConfig:
             raise ValueError(f"data.mistake_rate={self.mistake_rate} must lie in [0, 1]")
         if self.episodes_per_task < 1 or self.hint_weight < 1:
             raise ValueError("data.episodes_per_task and data.hint_weight must be >= 1")
+        self.recovery_mistakes = tuple(self.recovery_mistakes)
+        outside = sorted(set(self.recovery_mistakes) - set(self.mistakes))
+        if outside:
+            raise ValueError(
+                f"data.recovery_mistakes: {outside[0]!r} is not in data.mistakes "
+                f"{list(self.mistakes)}; add it there (the oracle must make the mistake to "
+                "recover from it)"
+            )
+        if "skip_tests" in self.recovery_mistakes:
+            raise ValueError(
+                "data.recovery_mistakes: 'skip_tests' ends the episode, so no turn recovers "
+                "from it; remove it (or set it in data.mistakes only, to imitate it)"
+            )
         if self.clean_episodes < 0:
             raise ValueError(f"data.clean_episodes={self.clean_episodes} must be >= 0")
         if self.max_seq_len < 64:
@@ -247,8 +275,9 @@ def oracle_examples(
         mask = []
         for i, turn in enumerate(traj.turns):
             k = assistant.index(i) if i in assistant else -1
-            mistaken = k >= 0 and k < len(oracle_turns) and oracle_turns[k]["mistake"]
-            keep = cfg.train_on_mistakes or not mistaken
+            mistaken = oracle_turns[k]["mistake"] if 0 <= k < len(oracle_turns) else None
+            imitate = cfg.train_on_mistakes and mistaken not in cfg.recovery_mistakes
+            keep = not mistaken or imitate
             mask += turn.trainable if keep else [0] * len(turn.token_ids)
         cut = cfg.max_seq_len
         if cfg.whole_episodes and not episode_complete(traj, cfg.max_seq_len):
@@ -445,11 +474,18 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
     num_hint = sum(e.kind.startswith("hint:") for e in examples)
     num_whole = sum(episode_complete(t, cfg.data.max_seq_len) for t in trajectories)
     lengths = sorted(len(t.token_ids) for t in trajectories)
+    num_recovery = sum(
+        turn["mistake"] in cfg.data.recovery_mistakes
+        for t in trajectories
+        if episode_complete(t, cfg.data.max_seq_len) or not cfg.data.whole_episodes
+        for turn in t.info.get("oracle_turns", [])
+    )
     print(
         f"sft data: {num_whole}/{len(trajectories)} oracle episodes whole within "
         f"data.max_seq_len={cfg.data.max_seq_len} (lengths {lengths[0]}-{lengths[-1]} tokens, "
         f"median {lengths[len(lengths) // 2]}), {len(examples) - num_hint} episode and "
-        f"{num_hint} hint-following examples"
+        f"{num_hint} hint-following examples, {num_recovery} mistakes recovered from "
+        "(no loss on the mistaken turn)"
     )
 
     optimizer = build_optimizer(model, cfg.optim)
@@ -513,6 +549,7 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
         "hint_examples_in_pool": float(num_hint),
         "episodes": float(len(trajectories)),
         "whole_episodes": float(num_whole),
+        "recovery_turns": float(num_recovery),
         **pref,
     }
     write_json_atomic(run_dir / "hint_preference.json", summary)
