@@ -1,7 +1,7 @@
 """Rollout workers as Ray actors (a local Ray instance, num_cpus=2): an actor killed in the
-middle of a step does not fail it. Its share is rolled out again on a fresh actor (the same
-episodes as an undisturbed step, counted), or, with no retries left, masked: no reward, never
-0, counted."""
+middle of a step, or one that stops answering (SIGSTOP: alive, never returns), does not fail it.
+Its share is rolled out again on a fresh actor (the same episodes as an undisturbed step,
+counted), or, with no retries left, masked: no reward, never 0, counted."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -82,18 +83,32 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def kill_when_busy(pid: int) -> threading.Thread:
-    """SIGKILL ``pid`` once it runs a child process: in the middle of an episode of the step."""
+def kill_when_busy(pid: int, sig: int = signal.SIGKILL) -> threading.Thread:
+    """Send ``sig`` to ``pid`` once it runs a child process: in the middle of an episode."""
 
     def run() -> None:
         deadline = time.monotonic() + 120
         while not children(pid) and time.monotonic() < deadline:
             time.sleep(0.005)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
 
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+def gone(pid: int, within_s: float = 30.0) -> bool:
+    """Whether ``pid`` exits (or is a zombie) within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def summary(trajectories) -> list[tuple]:
@@ -130,4 +145,38 @@ def test_a_killed_rollout_actor_is_retried_then_masked(rollouts) -> None:
         assert is_infra_failure(traj) and traj.reward is None and traj.finish_reason == "error"
         assert "rollout worker lost" in traj.info["infra"]
         assert not any(m for turn in traj.turns for m in turn.trainable)
+    assert summary(kept) == summary(reference[CFG.group_size :])
+
+
+def test_a_hung_rollout_actor_is_killed_and_its_share_retried_then_masked(rollouts) -> None:
+    """SIGSTOP: the actor is alive and holds its share but never answers. After
+    ``rollout.ray_rollout_timeout_s`` it is killed (ray.kill) and replaced; the share is rolled
+    out again (the undisturbed step's episodes) or, with no retries left, masked."""
+    tasks = load_tasks(TASKS / "tasks.jsonl")[:2]
+    # long enough for a fresh actor to import torch and roll its share out on a loaded machine
+    cfg = replace(CFG, ray_rollout_timeout_s=60.0)
+    rollouts.retries = 1
+    reference, _ = rollouts.collect(tasks, cfg, seed=5, step=1, group_offset=0)
+    assert all(t.reward is not None for t in reference)
+
+    pid = rollouts._ray.get(rollouts.workers[0].pid.remote())
+    stopper = kill_when_busy(pid, signal.SIGSTOP)
+    retried, stats = rollouts.collect(tasks, cfg, seed=5, step=1, group_offset=0)
+    stopper.join()
+    assert rollouts._ray.get(rollouts.workers[0].pid.remote()) != pid  # killed and replaced
+    assert gone(pid)  # the stopped process itself was killed, not only forgotten
+    assert stats.worker_deaths == 1 and stats.retried_episodes == CFG.group_size
+    assert summary(retried) == summary(reference)
+
+    rollouts.retries = 0
+    pid = rollouts._ray.get(rollouts.workers[0].pid.remote())
+    stopper = kill_when_busy(pid, signal.SIGSTOP)
+    masked, stats = rollouts.collect(tasks, cfg, seed=5, step=1, group_offset=0)
+    stopper.join()
+    assert stats.worker_deaths == 1 and stats.retried_episodes == 0
+    lost, kept = masked[: CFG.group_size], masked[CFG.group_size :]
+    for traj in lost:
+        assert is_infra_failure(traj) and traj.reward is None and traj.finish_reason == "error"
+        assert "timed out after 60 s" in traj.info["infra"]
+    # the other actor's episodes are the undisturbed step's, rewards included
     assert summary(kept) == summary(reference[CFG.group_size :])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from etude.engine.sampling import Generation
 from etude.env.coding import CodingEnv, EnvConfig, remove_stale_dirs
 from etude.env.pool import EnvPool
 from etude.env.tools import Toolbox
@@ -129,6 +130,68 @@ def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+def test_an_abandoned_episode_is_forgotten_when_released(tok: Tokenizer, tmp_path: Path):
+    """A later env that Python puts at the released one's address (same ``id``) is not taken
+    for abandoned (it would be scored infra for nothing)."""
+    with EnvPool(EnvConfig(work_dir=str(tmp_path)), tokenizer=tok, base_dir=BASE) as pool:
+        lost = pool.make_env(SLUGIFY)
+        pool.abandon(lost, "the inference server did not answer")
+        assert pool.is_abandoned(lost)
+        address = id(lost)
+        pool.release([lost])
+        del lost
+        reused = None
+        for _ in range(200):
+            env = pool.make_env(SLUGIFY)
+            if id(env) == address:
+                reused = env
+                break
+            pool.release([env])
+        assert reused is not None, "no env came back at the same address"
+        assert not pool.is_abandoned(reused)
+
+
+class StuckOrSubmit:
+    """An `InferenceBackend` whose model runs a 4 s command in sample 0 and submits in the
+    others; records the requests of each episode (session id)."""
+
+    policy_version = 0
+    max_seq_len = None
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.sessions: list[str] = []
+
+    def generate(self, requests):
+        out = []
+        for request in requests:
+            self.sessions.append(request.session_id)
+            stuck = request.session_id.endswith("sample0")
+            text = call("bash", command="sleep 4") if stuck else call("submit")
+            ids = self.tok.encode(text) + [self.tok.im_end_id]
+            out.append(Generation(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop"))
+        return out
+
+
+def test_a_rollout_takes_no_turn_of_an_episode_whose_call_overran(tok: Tokenizer, tmp_path: Path):
+    """The rollout loop leaves an abandoned episode alone (it used to generate and step it again
+    every round, each turn waiting out the stuck call) and it ends as infra, never 0."""
+    from etude.rl.rollout import RolloutConfig, collect_rollouts
+
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = EnvConfig(work_dir=str(work), max_turns=4)
+    backend = StuckOrSubmit(tok)
+    rollout_cfg = RolloutConfig(tasks_per_step=1, group_size=2, max_new_tokens=64)
+    with EnvPool(cfg, tokenizer=tok, base_dir=BASE, max_workers=2, step_timeout_s=1.0) as pool:
+        trajectories, _ = collect_rollouts(backend, pool, [SLUGIFY], rollout_cfg, seed=0, step=0)
+    stuck, submitted = trajectories
+    assert backend.sessions.count("step0-group0-sample0") == 1
+    assert stuck.reward is None and stuck.info["grade"]["status"] == "infra"
+    assert "did not finish within 1 s" in stuck.info["infra"]
+    assert submitted.reward == 0.0 and submitted.info["grade"]["status"] == "failed"
 
 
 def test_stale_directories_of_killed_runs_are_removed(tok: Tokenizer, tmp_path: Path) -> None:

@@ -179,3 +179,17 @@ def test_task_draws_depend_on_seed_and_step() -> None:
     ]
     assert len({t.instance_id for t in a}) == 2
     assert len(sample_tasks(tasks, 5, seed=0, step=5)) == 5
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("ray_rollout_timeout_s", -1.0),
+        ("ray_call_timeout_s", -5.0),
+        ("server_timeout_s", 0.0),
+        ("server_retries", -1),
+    ],
+)
+def test_failure_settings_name_themselves(setting: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"rollout.{setting}="):
+        RolloutConfig(**{setting: value})

@@ -18,9 +18,12 @@ Backends:
   episode (header ``X-Session-ID``; body ``session_id`` for etude and vLLM) so a router can keep
   an episode on the replica that holds its prefix. Requests run concurrently (a thread pool of
   ``max_concurrency``); connection errors, timeouts, 429 and 5xx are retried with exponential
-  backoff; a response without token ids or logprobs is a `ServerResponseError` that names the
-  missing field and the server option that provides it. A request the server refuses (4xx) is a
-  ``ValueError`` with the server's message.
+  backoff; a request still unanswered after ``max_retries`` retries is a `ServerUnavailable`
+  (an infrastructure failure: ``generate`` raises it with the generations of the requests that
+  did succeed, so a rollout masks only the episodes whose requests failed). A response without
+  token ids or logprobs is a `ServerResponseError` that names the missing field and the server
+  option that provides it. A request the server refuses (4xx) is a ``ValueError`` with the
+  server's message.
 
 What the HTTP backend does not check: that the server's logprobs are those of the distribution it
 sampled (vLLM needs ``--logprobs-mode processed_logprobs`` for that; see docs/serve.md), nor that
@@ -76,6 +79,16 @@ class InferenceBackend(Protocol):
 
 class ServerResponseError(RuntimeError):
     """The server answered, but not with what the trainer needs (or not at all, after retries)."""
+
+
+class ServerUnavailable(ServerResponseError):
+    """The server did not answer within the retries (timeouts, lost connections, 429, 5xx): an
+    infrastructure failure, not the request's fault. From ``HTTPBackend.generate``, ``outputs``
+    holds per request its `Generation`, or None where the request failed."""
+
+    def __init__(self, message: str, outputs: Sequence[Generation | None] = ()) -> None:
+        super().__init__(message)
+        self.outputs = list(outputs)
 
 
 def load_weights(model: nn.Module, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
@@ -245,8 +258,14 @@ class HTTPBackend:
         futures = [self._pool.submit(self._complete, r) for r in requests]
         errors = [f.exception() for f in futures]
         for error in errors:
-            if error is not None:
+            if error is not None and not isinstance(error, ServerUnavailable):
                 raise error
+        lost = [error for error in errors if error is not None]
+        if lost:
+            raise ServerUnavailable(
+                f"{len(lost)} of {len(requests)} requests failed: {lost[0]}",
+                [None if error is not None else f.result() for f, error in zip(futures, errors)],
+            )
         return [f.result() for f in futures]
 
     def update_weights(self, source: Any, version: int) -> None:
@@ -374,7 +393,7 @@ class HTTPBackend:
                 raise ServerResponseError(
                     f"{url} answered with non-JSON: {response.text[:300]!r}"
                 ) from None
-        raise ServerResponseError(
+        raise ServerUnavailable(
             f"{url} failed after {self.cfg.max_retries + 1} tries (backend.max_retries="
             f"{self.cfg.max_retries}, backend.timeout={self.cfg.timeout}s); last error: {last}"
         )

@@ -28,6 +28,8 @@ finished ``timeout`` step, ``finish_many`` with an ``infra`` trajectory (reward 
 ``info['grade']``; the trainer masks it), ``reset_many`` raises `PoolTimeout`. The stuck worker
 is left to end on its own (every sandboxed command has its own deadline); its directory is
 removed when it does. Threads cannot be killed, so a call that never returns keeps its worker.
+``abandon(env, reason)`` gives an episode up from outside (the rollout does when the inference
+server stops answering for it); ``is_abandoned`` tells the rollout loop to stop stepping it.
 
 What this does not do: generate tokens, or run envs in other processes or on other machines.
 """
@@ -89,7 +91,10 @@ class EnvPool:
         self.finish_timeout_s = _timeout(
             "finish_timeout_s", finish_timeout_s, self.cfg.reward_timeout_s + 120.0
         )
-        self._abandoned: dict[int, str] = {}
+        self._abandoned: dict[int, tuple[CodingEnv, str]] = {}
+        """id -> (env, why) of the envs given up on; the env is held so its id is not reused."""
+        self._stuck = False
+        """Whether a call overran its timeout (``close`` does not wait for the workers then)."""
         self.tokenizer = tokenizer
         self.chat_format = check_chat_format(chat_format)
         self.stop_token_ids = (end_of_turn_id(chat_format, tokenizer),)
@@ -140,9 +145,16 @@ class EnvPool:
     def _abandon(self, env: CodingEnv, future_reason: str) -> None:
         """Stop using ``env``: its stuck call keeps its directory until it ends."""
         with self._lock:
-            self._abandoned[id(env)] = future_reason
+            self._abandoned[id(env)] = (env, future_reason)
+            self._stuck = True
             if env in self._envs:
                 self._envs.remove(env)
+
+    def abandon(self, env: CodingEnv, reason: str) -> None:
+        """Give ``env``'s episode up as an infrastructure failure (no call of it is running):
+        it takes no more turns and `finish_many` returns it ``infra`` (reward None)."""
+        with self._lock:
+            self._abandoned.setdefault(id(env), (env, reason))
 
     def _run_for(
         self, envs: Sequence[CodingEnv], function: Callable[..., T], timeout: float, what: str
@@ -159,7 +171,8 @@ class EnvPool:
 
     def is_abandoned(self, env: CodingEnv) -> bool:
         """Whether a call on ``env`` overran its timeout (the env is no longer used)."""
-        return id(env) in self._abandoned
+        entry = self._abandoned.get(id(env))
+        return entry is not None and entry[0] is env
 
     def reset_many(self, envs: Sequence[CodingEnv]) -> list[Any]:
         """Reset every env concurrently (copying workspaces); their conversations in order.
@@ -224,7 +237,7 @@ class EnvPool:
         for env in envs:
             result = scored.get(id(env))
             if result is None or isinstance(result, PoolTimeout):
-                reason = str(result) if result is not None else self._abandoned[id(env)]
+                reason = str(result) if result is not None else self._abandoned[id(env)][1]
                 result = infra_trajectory(env, reason)
             out.append(result)
         return out
@@ -258,6 +271,9 @@ class EnvPool:
         with self._lock:
             released = {id(env) for env in envs}
             self._envs = [env for env in self._envs if id(env) not in released]
+            for env in envs:
+                if self.is_abandoned(env):
+                    del self._abandoned[id(env)]
         for env in envs:
             env.close()
 
@@ -265,7 +281,7 @@ class EnvPool:
         """Wait for running calls (not for abandoned ones), then remove every episode directory
         the pool still tracks."""
         self._closed = True
-        self._executor.shutdown(wait=not self._abandoned, cancel_futures=True)
+        self._executor.shutdown(wait=not self._stuck, cancel_futures=True)
         with self._lock:
             envs, self._envs = self._envs, []
         for env in envs:

@@ -9,9 +9,10 @@ episodes are placed round-robin over the live workers and stay on theirs. The dr
 state the worker last returned. Calls of one batch go to all workers at once.
 
 **Infrastructure failures are not rewards.** A worker that dies (its process killed, its node
-lost) or does not answer within ``call_timeout_s``: every episode on it ends with
+lost) or does not answer within ``call_timeout_s`` (``rollout.ray_call_timeout_s``; a hung
+worker: deadlocked, stopped, on a hung file system): every episode on it ends with
 ``finish_reason = "error"``, ``reward = None`` and ``info["infra"]`` saying why; the worker is
-replaced by a new actor for later episodes. An episode whose own call raises an infrastructure
+killed (``ray.kill``) and replaced by a new actor for later episodes. An episode whose own call raises an infrastructure
 error inside the worker (``OSError``, ``subprocess.SubprocessError``, ``RuntimeError``,
 ``TimeoutError``: a sandbox that crashed, a workspace copy that failed) ends the same way; a
 ``ValueError`` (a bad task or setting) is raised as in ``EnvPool``. The trainer masks such
@@ -217,6 +218,11 @@ class RayEnvPool:
         """Where generation of an assistant turn stops (etude's ``<|im_end|>``)."""
         self.base_dir = Path(base_dir).resolve()
         self.max_workers = max_workers
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ValueError(
+                f"rollout.ray_call_timeout_s={call_timeout_s} must be > 0 seconds (0 in the "
+                "config: derived from env.wall_clock_s and env.reward_timeout_s)"
+            )
         self.call_timeout_s = (
             call_timeout_s
             if call_timeout_s is not None
@@ -309,11 +315,21 @@ class RayEnvPool:
                 self.workers[env.worker].make.remote(env.env_id, task.to_json()),
                 timeout=self.call_timeout_s,
             )
-        except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
-            self._worker_died(env.worker, "worker died")
-            self._ray.get(self.workers[env.worker].make.remote(env.env_id, task.to_json()))
+        except self._ray.exceptions.RayActorError as e:
+            self._worker_died(env.worker, f"worker died: {type(e).__name__}")
+            self._make_on_fresh_worker(env)
+        except self._ray.exceptions.GetTimeoutError:
+            self._worker_died(env.worker, f"worker timed out after {self.call_timeout_s:.0f} s")
+            self._make_on_fresh_worker(env)
         self._envs[env.env_id] = env
         return env
+
+    def _make_on_fresh_worker(self, env: RemoteEnv) -> None:
+        """Make ``env`` on the actor that replaced its lost worker (a second loss is raised)."""
+        self._ray.get(
+            self.workers[env.worker].make.remote(env.env_id, env.task.to_json()),
+            timeout=self.call_timeout_s,
+        )
 
     def reset_many(self, envs: Sequence[RemoteEnv]) -> None:
         live = self._live(envs)
@@ -371,6 +387,16 @@ class RayEnvPool:
             finish_reason="error",
             info={"infra": env.state.infra},
         )
+
+    def abandon(self, env: RemoteEnv, reason: str) -> None:
+        """Give ``env``'s episode up as an infrastructure failure (counted; no more turns)."""
+        if not self.is_abandoned(env):
+            env.fail(reason)
+            self.failures.episodes += 1
+
+    def is_abandoned(self, env: RemoteEnv) -> bool:
+        """Whether ``env`` ended by an infrastructure failure (its worker, or `abandon`)."""
+        return env.state is not None and bool(env.state.infra)
 
     def release(self, envs: Sequence[RemoteEnv]) -> None:
         by_worker: dict[int, list[int]] = {}

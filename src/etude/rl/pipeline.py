@@ -219,6 +219,7 @@ def make_env_pool(
             max_workers=cfg.num_workers,
             address=cfg.ray_address,
             num_cpus=cfg.ray_num_cpus,
+            call_timeout_s=cfg.ray_call_timeout_s or None,
         )
     from etude.env.pool import EnvPool
 
@@ -236,7 +237,11 @@ def make_backend(cfg: Any, engine: Any) -> Any:
     from etude.engine.backends import EngineBackend, HTTPBackend, HTTPBackendConfig
 
     if cfg.server_url:
-        return HTTPBackend(HTTPBackendConfig(url=cfg.server_url))
+        return HTTPBackend(
+            HTTPBackendConfig(
+                url=cfg.server_url, timeout=cfg.server_timeout_s, max_retries=cfg.server_retries
+            )
+        )
     return EngineBackend(engine)
 
 

@@ -13,23 +13,27 @@ Sampling seeds follow the group (``group_offset``), so N actors roll out the sam
 as one process with the same weights. The model is built from the ``config.json`` the file sync
 writes beside the weights; the tokenizer travels as its JSON.
 
-**A dying actor does not fail the step.** When an actor dies while it holds a share (its
+**A dying or hung actor does not fail the step.** When an actor dies while it holds a share (its
 process killed, its node lost, the out-of-memory killer: ``RayActorError`` and its kin, see
-``INFRA_ERRORS``), a fresh actor takes its place and the share is rolled out again from the start
-on it, with the same seeds (the same episodes as if nothing had happened, at the newest weights),
-up to ``retries`` times per share and step. A share still lost after that is masked: each of its
+``INFRA_ERRORS``), or holds it longer than ``rollout.ray_rollout_timeout_s`` (alive but not
+answering: a deadlock, a stopped process, a hung file system; it is killed with ``ray.kill``), a
+fresh actor takes its place and the share is rolled out again from the start on it, with the
+same seeds (the same episodes as if nothing had happened, at the newest weights), up to
+``retries`` times per share and step. A share still lost after that is masked: each of its
 episodes becomes an infrastructure failure (``reward = None``, ``finish_reason = "error"``,
 ``info["infra"]`` says why), which the trainer leaves out of its group's statistics and the loss
-and never scores 0. The batch's ``RolloutStats`` counts the lost actors (``worker_deaths``) and
+and never scores 0. The batch's ``RolloutStats`` counts the lost actors, dead or hung (``worker_deaths``) and
 the episodes rolled out again (``retried_episodes``); the trainer logs them per step as
 ``infra/worker_deaths`` and ``infra/retried_episodes`` (masked episodes: ``infra/episodes``). An
 exception raised by the rollout code itself (``RayTaskError``: a bad task or setting) is a bug,
 not infrastructure, and is raised.
 
+The timeout counts from the share's submission: an actor runs its calls one after another, so
+with ``max_staleness = k`` a share may wait behind k others (the derived default allows for it).
+
 What this does not do: share one engine between actors, place actors on GPUs, resume a share
-mid-episode on another actor (it starts over; its partial episodes died with the actor), or
-detect an actor that hangs without dying (the environments' ``env.wall_clock_s`` bounds an
-episode).
+mid-episode on another actor (it starts over; its partial episodes died with the actor), or tell
+a hung actor from one that is only slow (a share past its timeout is lost either way).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,16 @@ INFRA_ERRORS = (
     "ObjectLostError",
 )
 """Names in ``ray.exceptions`` of the errors that mean infrastructure, not the rollout's code."""
+
+
+def rollout_timeout_s(rollout_cfg: Any, env_cfg: Any) -> float:
+    """Seconds a share may take on its actor: ``rollout.ray_rollout_timeout_s``, or (0) the time
+    an episode may take (its wall clock, scoring, 600 s for resets, the last turn's tools and
+    loading weights) for each batch that may be in flight (``1 + max_staleness``)."""
+    if rollout_cfg.ray_rollout_timeout_s > 0:
+        return float(rollout_cfg.ray_rollout_timeout_s)
+    episode = env_cfg.wall_clock_s + env_cfg.reward_timeout_s + 600.0
+    return episode * (1 + rollout_cfg.max_staleness)
 
 
 class RolloutWorker:
@@ -184,6 +199,7 @@ class RayRollouts:
         self.retries = retries
         self._infra = tuple(getattr(ray.exceptions, name) for name in INFRA_ERRORS)
         self._eos_id = tokenizer.eos_id
+        self.env_cfg = env_cfg
         self._actor = ray.remote(num_cpus=0)(RolloutWorker)
         self._args = (
             str(Path(weights_dir).resolve()),
@@ -218,43 +234,57 @@ class RayRollouts:
         group_offset: int,
     ) -> tuple[list[Trajectory], Any]:
         """The step's groups split into contiguous shares, one per actor; trajectories in order.
-        A share whose actor dies is rolled out again on a fresh actor, or masked (see the module
-        docstring); ``worker_deaths`` and ``retried_episodes`` of the stats count it."""
+        A share whose actor dies, or does not answer within ``rollout_timeout_s``, is rolled out
+        again on a fresh actor, or masked (see the module docstring); ``worker_deaths`` and
+        ``retried_episodes`` of the stats count it."""
         from etude.rl.rollout import RolloutStats
 
         n = len(self.workers)
         bounds = [len(tasks) * i // n for i in range(n + 1)]
         shares = [(i, bounds[i], bounds[i + 1]) for i in range(n) if bounds[i + 1] > bounds[i]]
         stats = RolloutStats()
+        timeout = rollout_timeout_s(rollout_cfg, self.env_cfg)
 
-        def submit(index: int, lo: int, hi: int) -> tuple[Any, Any]:
+        def submit(index: int, lo: int, hi: int) -> tuple[Any, Any, float]:
             worker = self.workers[index]
             lines = [t.to_json() for t in tasks[lo:hi]]
             ref = worker.rollout.remote(lines, rollout_cfg, seed, step, group_offset + lo)
-            return worker, ref
+            return worker, ref, time.monotonic() + timeout
 
         pending = {k: submit(*share) for k, share in enumerate(shares)}
         attempts = dict.fromkeys(pending, 0)
         done: dict[int, list[Trajectory]] = {}
-        while pending:
-            by_ref = {ref: k for k, (_, ref) in pending.items()}
-            ready, _ = self._ray.wait(list(by_ref), num_returns=1)
-            k = by_ref[ready[0]]
-            worker, ref = pending.pop(k)
+
+        def lost(k: int, worker: Any, reason: str) -> None:
+            """Share k's actor is lost: replace it, then roll the share out again or mask it."""
             index, lo, hi = shares[k]
+            if self._replace(index, worker):
+                stats.worker_deaths += 1
+            if attempts[k] < self.retries:
+                attempts[k] += 1
+                stats.retried_episodes += (hi - lo) * rollout_cfg.group_size
+                pending[k] = submit(index, lo, hi)
+            else:
+                done[k] = self._masked(tasks[lo:hi], rollout_cfg.group_size, reason)
+
+        while pending:
+            by_ref = {ref: k for k, (_, ref, _) in pending.items()}
+            first_deadline = min(deadline for _, _, deadline in pending.values())
+            ready, _ = self._ray.wait(
+                list(by_ref), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic())
+            )
+            if not ready:  # a share ran past its deadline: its actor is hung
+                now = time.monotonic()
+                for k in [k for k, (_, _, deadline) in pending.items() if deadline <= now]:
+                    worker, _, _ = pending.pop(k)
+                    lost(k, worker, f"rollout worker timed out after {timeout:.0f} s")
+                continue
+            k = by_ref[ready[0]]
+            worker, ref, _ = pending.pop(k)
             try:
                 lines, part = self._ray.get(ref)
             except self._infra as e:
-                if self._replace(index, worker):
-                    stats.worker_deaths += 1
-                episodes = (hi - lo) * rollout_cfg.group_size
-                reason = f"rollout worker lost: {type(e).__name__}"
-                if attempts[k] < self.retries:
-                    attempts[k] += 1
-                    stats.retried_episodes += episodes
-                    pending[k] = submit(index, lo, hi)
-                else:
-                    done[k] = self._masked(tasks[lo:hi], rollout_cfg.group_size, reason)
+                lost(k, worker, f"rollout worker lost: {type(e).__name__}")
                 continue
             done[k] = [Trajectory.from_json(line) for line in lines]
             for key, value in part.items():

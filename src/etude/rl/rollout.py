@@ -23,6 +23,12 @@ Sampling is seeded per (run seed, step, group, round, sample), one generator per
 episode's samples do not depend on which other episodes share the batch or the rank, so one
 process and N data-parallel ranks roll out the same trajectories.
 
+Infrastructure failures end an episode, not the batch: when the inference server does not answer
+a request within its timeout and retries (``ServerUnavailable``), that episode is given up
+(``pool.abandon``) and the others go on; the pool then returns it with ``reward = None`` and
+``info["infra"]`` (masked by the trainer, never scored 0). An episode the pool gave up on (a
+hung tool call, a lost Ray worker) takes no more turns (``pool.is_abandoned``).
+
 What this does not do: compute rewards beyond the env's (``etude.env.reward``), advantages, or
 any loss; overlap one episode's tool calls with other episodes' generation (a round ends when
 its longest turn ends).
@@ -35,9 +41,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from etude.engine import Engine, SamplingParams
-from etude.engine.backends import EngineBackend, GenerationRequest, InferenceBackend
+from etude.engine.backends import (
+    EngineBackend,
+    GenerationRequest,
+    InferenceBackend,
+    ServerUnavailable,
+)
 from etude.engine.engine import derive_seed
 from etude.env.pool import EnvPool
 from etude.env.trajectory import Trajectory
@@ -80,11 +92,26 @@ class RolloutConfig:
     ray_rollout_retries: int = 2
     """Times a share of a step's groups is rolled out again on a fresh actor when its rollout
     actor dies; after that its episodes are masked as infrastructure failures (never reward 0)."""
+    ray_rollout_timeout_s: float = 0.0
+    """Seconds a rollout actor may hold its share of a step's groups before it counts as hung
+    (alive, not answering): it is killed and replaced, and the share is retried or masked as
+    when an actor dies. 0 = derived: (``env.wall_clock_s`` + ``env.reward_timeout_s`` + 600)
+    x (1 + ``max_staleness``), as an actor runs the shares of the batches in flight in turn."""
+    ray_call_timeout_s: float = 0.0
+    """Seconds a call to a Ray environment worker (reset, one turn's tool calls, scoring) may
+    take before the worker counts as hung: killed and replaced, its episodes masked.
+    0 = derived: ``env.wall_clock_s`` + ``env.reward_timeout_s`` + 60."""
     ray_num_cpus: int = 2
     """CPUs of the local Ray instance (with ``ray_address = ""``)."""
     server_url: str = ""
     """Roll out through an OpenAI-compatible server (``etude serve``) at this URL instead of the
     in-process engine ('' = in process); weights reach it by ``sync.kind = "http"``."""
+    server_timeout_s: float = 600.0
+    """Seconds one request to the rollout server may take (connect, queue, generate) before it
+    counts as failed; it is retried ``server_retries`` times, then the episode is masked as an
+    infrastructure failure (never scored 0)."""
+    server_retries: int = 3
+    """Retries of a rollout server request after a timeout, a lost connection, 429 or 5xx."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How new weights reach the rollout engine after each step (``[rollout.sync]``)."""
 
@@ -99,6 +126,19 @@ class RolloutConfig:
             raise ValueError("rollout.ray_workers and rollout.ray_num_cpus must be >= 1")
         if self.ray_rollout_retries < 0:
             raise ValueError(f"rollout.ray_rollout_retries={self.ray_rollout_retries} must be >= 0")
+        for name in ("ray_rollout_timeout_s", "ray_call_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(
+                    f"rollout.{name}={getattr(self, name)} must be > 0 seconds, or 0 for the "
+                    "default derived from env.wall_clock_s and env.reward_timeout_s"
+                )
+        if not self.server_timeout_s > 0:
+            raise ValueError(
+                f"rollout.server_timeout_s={self.server_timeout_s} must be > 0 seconds (one "
+                "request's time to generate a turn, e.g. 600)"
+            )
+        if not isinstance(self.server_retries, int) or self.server_retries < 0:
+            raise ValueError(f"rollout.server_retries={self.server_retries!r} must be an int >= 0")
         if self.ray_rollout_workers < 0:
             raise ValueError(f"rollout.ray_rollout_workers={self.ray_rollout_workers} must be >= 0")
         if self.ray_rollout_workers and self.sync.kind != "file":
@@ -200,7 +240,8 @@ def collect_rollouts(
         generated = [0] * len(envs)
         round_index = 0
         while True:
-            running = [k for k, env in enumerate(envs) if not env.done]
+            # an env the pool gave up on (a hung call, a lost worker or server) is over
+            running = [k for k, env in enumerate(envs) if not (env.done or pool.is_abandoned(env))]
             if not running:
                 break
             requests = []
@@ -221,10 +262,20 @@ def collect_rollouts(
                     GenerationRequest(prompt_ids=env.prompt_ids, params=params, session_id=session)
                 )
             t0 = time.perf_counter()
-            outputs = backend.generate(requests)
+            try:
+                outputs: list[Any] = backend.generate(requests)
+            except ServerUnavailable as error:
+                # the server stopped answering: the episodes whose requests failed are lost to
+                # infrastructure (masked, never scored 0); the others go on
+                outputs = error.outputs or [None] * len(requests)
+                for k, out in zip(running, outputs):
+                    if out is None:
+                        pool.abandon(envs[k], f"inference server did not answer: {error}")
             stats.generate_seconds += time.perf_counter() - t0
             steps = []
             for k, out in zip(running, outputs):
+                if out is None:
+                    continue
                 env = envs[k]
                 # a server's budget may exceed the env's: keep the env's limit
                 if len(out.token_ids) > env.tokens_left:
@@ -234,7 +285,8 @@ def collect_rollouts(
                 versions[k].append(out.policy_version)
                 steps.append((env, out))
             t0 = time.perf_counter()
-            pool.step_many(steps)
+            if steps:
+                pool.step_many(steps)
             stats.env_seconds += time.perf_counter() - t0
             round_index += 1
         stats.rounds = round_index
