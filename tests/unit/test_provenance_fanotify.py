@@ -19,6 +19,7 @@ import pytest
 
 import etude.sandbox.fanotify as fanotify
 import etude.sandbox.recorder as recorder
+import etude.sandbox.runner as runner
 from etude.env.trajectory import ToolCall, Trajectory, Turn
 from etude.monitor.rules import BUILTIN_RULES, scan
 from etude.monitor.rules.events import normalize_argv
@@ -244,6 +245,50 @@ def test_a_queue_overflow_is_recorded_and_flagged_never_a_smaller_record(
     traj.turns.append(Turn(role="assistant", text="", tool_calls=[call]))
     traj.turns.append(Turn(role="tool", text="", tool_name="bash", provenance=prov.to_json()))
     assert "prov.record_lost" in {f.rule for f in scan(traj, PROVENANCE_RULES) if f.severity >= 3}
+    monkeypatch.undo()
+    after = record(sandbox, "cat a.txt", workspace)
+    assert after.complete and not after.overflow and after.read == ["a.txt"]
+
+
+@needs_fanotify
+def test_a_flood_cannot_hold_the_deadline_and_its_record_says_it_is_incomplete(
+    sandbox, workspace, monkeypatch
+):
+    """A command that floods the recorder in an endless loop: distinct opens (past the
+    kernel's queue; the reader slowed down to make that certain, as above) and hard links in a
+    workspace of 1,000 files (each link once cost a walk of the workspace, in the loop that
+    holds the deadline and in the drain after it). The run returns by its timeout plus the
+    runner's graces and the drain's budget, timed out, its record incomplete; the next
+    command's record is whole."""
+    for i in range(1000):
+        (workspace / f"seed{i}.txt").write_text("x")
+    read_a = recorder.FanotifyRecorder._read_a
+
+    def slow_read_a(self):
+        time.sleep(0.005)
+        return read_a(self)
+
+    monkeypatch.setattr(recorder, "READ_BYTES", 4096)
+    monkeypatch.setattr(recorder.FanotifyRecorder, "_read_a", slow_read_a)
+    flood = (
+        "import os\n"
+        "if os.fork() == 0:\n"
+        "    for i in range(30000):\n"
+        "        os.link('a.txt', f'l{i}')\n"
+        "i = 0\n"
+        "while True:\n"
+        "    os.close(os.open(f'/tmp/f{i}', os.O_CREAT | os.O_WRONLY))\n"
+        "    i += 1\n"
+    )
+    timeout = 1.0
+    start = time.monotonic()
+    result = sandbox.run(["python3", "-c", flood], workspace, timeout=timeout)
+    elapsed = time.monotonic() - start
+    bound = timeout + runner.WATCHDOG_GRACE_S + runner.ABANDON_GRACE_S + recorder.DRAIN_BUDGET_S
+    assert result.timed_out
+    assert elapsed < bound + 3.0, elapsed  # slack: bwrap, the workspace's chown, a loaded host
+    prov = result.provenance
+    assert not prov.complete and prov.overflow
     monkeypatch.undo()
     after = record(sandbox, "cat a.txt", workspace)
     assert after.complete and not after.overflow and after.read == ["a.txt"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from etude.sandbox import BwrapSandbox, LocalSandbox, SandboxConfig, make_sandbox
-from etude.sandbox.base import _CappedStream
+from etude.sandbox.runner import _CappedStream
 
 IS_ROOT = os.geteuid() == 0
 HAVE_BWRAP = shutil.which("bwrap") is not None

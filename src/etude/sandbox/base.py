@@ -1,16 +1,10 @@
-"""The sandbox contract: configuration, result record, protocol, and the process-tree runner.
+"""The sandbox contract: configuration, result record, protocol, and the helpers both backends use.
 
 Every command an agent or a reward run executes goes through a ``Sandbox``:
 ``run(cmd, cwd, timeout=, env=, stdin=) -> Result``. ``cwd`` is the episode's workspace, the only
 place the command may write. The two backends (``bwrap.py``, ``local.py``) differ in how much of
-the host they wall off; both share the runner here, which
-
-- starts the command in its own session (process group) with a clean environment,
-- reads stdout and stderr without deadlock (one selector over both pipes and a pidfd),
-- keeps at most ``max_output_bytes`` per stream (head and tail, with a visible marker between),
-- on the wall-clock deadline SIGKILLs the whole process group, and after a normal exit SIGKILLs
-  what is left of it (orphaned background jobs), always before the leader is reaped so that the
-  group id cannot have been reused by an unrelated process.
+the host they wall off; both run the command through ``etude.sandbox.runner`` (its own process
+group, output capped, the deadline held).
 
 What this module does not do: decide what is isolated. See the package docstring for the
 per-backend list of what is and is not contained.
@@ -20,13 +14,8 @@ from __future__ import annotations
 
 import os
 import resource
-import selectors
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol, runtime_checkable
@@ -35,10 +24,6 @@ from etude.sandbox.provenance import Provenance
 
 Backend = Literal["auto", "bwrap", "local"]
 
-# After the leader exits (or is killed), how long to keep reading pipes that a process which
-# escaped the kill still holds open; only the local backend can have such a process.
-DRAIN_GRACE_S = 0.5
-READ_CHUNK = 1 << 16
 PROVENANCE_MECHANISMS = ("auto", "strace", "fanotify")
 
 
@@ -311,243 +296,3 @@ def apply_rlimits(cfg: SandboxConfig, nproc: int | None) -> None:
 def python_bin_dir() -> str:
     """Directory of the running interpreter's ``python`` (the venv's ``bin`` in a venv)."""
     return os.path.dirname(os.path.abspath(sys.executable))
-
-
-class _CappedStream:
-    """Keeps the first and last bytes of a stream within ``cap`` and counts the rest."""
-
-    __slots__ = ("head", "tail", "total", "head_cap", "tail_cap")
-
-    def __init__(self, cap: int) -> None:
-        self.tail_cap = cap // 2
-        self.head_cap = cap - self.tail_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            # trim lazily (amortized O(1) per byte); only the last tail_cap bytes survive
-            if len(self.tail) > 2 * self.tail_cap:
-                del self.tail[: len(self.tail) - self.tail_cap]
-
-    @property
-    def truncated(self) -> bool:
-        return self.total > self.head_cap + self.tail_cap
-
-    def text(self, name: str) -> str:
-        if not self.truncated:
-            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace")
-        tail = bytes(self.tail[len(self.tail) - self.tail_cap :]) if self.tail_cap else b""
-        dropped = self.total - len(self.head) - len(tail)
-        marker = (
-            f"\n[... {dropped} bytes of {name} truncated by the sandbox "
-            f"(max_output_bytes={self.head_cap + self.tail_cap}) ...]\n"
-        )
-        return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace")
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _leader_exited(pid: int) -> bool:
-    """Whether ``pid`` has exited, without reaping it (it stays a zombie, its pgid stays ours)."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-
-
-class Leader(Protocol):
-    """The first process of a command, started in its own session (its pid is the group id)."""
-
-    pid: int
-
-    def exited(self) -> bool:
-        """Whether it has exited; it must stay unreaped (a zombie) until ``reap``."""
-        ...
-
-    def reap(self) -> int:
-        """Wait for it and release it; its exit code (negative: killed by that signal)."""
-        ...
-
-
-Spawner = Callable[[list[str], Path, dict[str, str], tuple[int, int, int], Sequence[int]], Leader]
-"""Starts ``argv`` in ``cwd`` with ``env``, the given stdin/stdout/stderr descriptors and the
-descriptors to pass on, in a new session; raises ``OSError`` when it cannot be started."""
-
-
-class _PopenLeader:
-    __slots__ = ("pid", "proc")
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-
-    def exited(self) -> bool:
-        return _leader_exited(self.pid)
-
-    def reap(self) -> int:
-        return self.proc.wait()
-
-
-def popen_spawner(preexec_fn: Callable[[], None] | None = None) -> Spawner:
-    """The default spawner: ``subprocess.Popen`` from this process."""
-
-    def spawn(
-        argv: list[str],
-        cwd: Path,
-        env: dict[str, str],
-        stdio: tuple[int, int, int],
-        pass_fds: Sequence[int],
-    ) -> Leader:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=stdio[0],
-            stdout=stdio[1],
-            stderr=stdio[2],
-            start_new_session=True,
-            preexec_fn=preexec_fn,
-            close_fds=True,
-            pass_fds=tuple(pass_fds),
-        )
-        return _PopenLeader(proc)
-
-    return spawn
-
-
-def run_process_tree(
-    argv: list[str],
-    *,
-    cwd: Path,
-    env: dict[str, str],
-    stdin: str | None,
-    timeout_s: float,
-    max_output_bytes: int,
-    preexec_fn: Callable[[], None] | None = None,
-    pass_fds: Sequence[int] = (),
-    spawner: Spawner | None = None,
-    watch: Sequence[tuple[int, Callable[[], None]]] = (),
-) -> Result:
-    """Run ``argv`` in a new session; kill its process group on the deadline and after it exits.
-
-    The leader is reaped only at the very end, so every ``killpg`` targets our group: a group id
-    stays allocated while its leader is an unreaped zombie. ``spawner`` starts the leader
-    (default: ``Popen`` here). ``watch``: descriptors to serve while the command runs, each with
-    the function called when it is readable (the fanotify recorder's event queues: served here,
-    by the thread that waits anyway, no thread of their own).
-    """
-    start = time.monotonic()
-    deadline = start + timeout_s
-    if any("\0" in arg for arg in argv):
-        # exec can not pass a NUL (Popen raises ValueError); a model's command may hold one, and
-        # that is a failed command for it to read, not a crash of the caller
-        return Result(
-            stdout="",
-            stderr="the command holds a NUL character, which no program can receive\n",
-            exit_code=126,
-            timed_out=False,
-            duration=time.monotonic() - start,
-            truncated=False,
-        )
-    spawn = spawner if spawner is not None else popen_spawner(preexec_fn)
-    out_fd, out_w = os.pipe()
-    err_fd, err_w = os.pipe()
-    if stdin is not None:  # a file, not a pipe: no writer thread, no deadlock on large input
-        with tempfile.TemporaryFile() as f:
-            f.write(stdin.encode())
-            f.seek(0)
-            in_fd = os.dup(f.fileno())
-    else:
-        in_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        leader = spawn(argv, cwd, env, (in_fd, out_w, err_w), pass_fds)
-    except OSError as e:  # the program is missing or not executable: report it as a shell would
-        for fd in (out_fd, err_fd):
-            os.close(fd)
-        return Result(
-            stdout="",
-            stderr=f"{argv[0]}: {e.strerror}\n",
-            exit_code=127 if isinstance(e, FileNotFoundError) else 126,
-            timed_out=False,
-            duration=time.monotonic() - start,
-            truncated=False,
-        )
-    finally:
-        for fd in (in_fd, out_w, err_w):
-            os.close(fd)
-    streams = {out_fd: _CappedStream(max_output_bytes), err_fd: _CappedStream(max_output_bytes)}
-    sel = selectors.DefaultSelector()
-    for fd in streams:
-        sel.register(fd, selectors.EVENT_READ)
-    for fd, serve in watch:
-        sel.register(fd, selectors.EVENT_READ, serve)
-    # a pidfd turns "the leader exited" into a selectable event (Linux >= 5.3); else poll
-    pidfd = os.pidfd_open(leader.pid) if hasattr(os, "pidfd_open") else None
-    if pidfd is not None:
-        sel.register(pidfd, selectors.EVENT_READ)
-    open_fds = set(streams)
-    exited = timed_out = reaped = False
-    drain_until: float | None = None
-    try:
-        while open_fds or not exited:
-            now = time.monotonic()
-            limit = drain_until if drain_until is not None else deadline
-            if now >= limit:
-                if drain_until is not None:
-                    break  # a process that escaped the kill still holds a pipe: stop reading
-                timed_out = True
-                _kill_group(leader.pid)
-                drain_until = now + DRAIN_GRACE_S
-                continue
-            wait = limit - now if pidfd is not None or exited else min(limit - now, 0.005)
-            for key, _ in sel.select(wait):
-                if key.data is not None:
-                    key.data()
-                    continue
-                if key.fd == pidfd:
-                    continue
-                data = os.read(key.fd, READ_CHUNK)
-                if data:
-                    streams[key.fd].feed(data)
-                else:
-                    sel.unregister(key.fd)
-                    open_fds.discard(key.fd)
-            if not exited and leader.exited():
-                exited = True
-                if pidfd is not None:
-                    sel.unregister(pidfd)
-                _kill_group(leader.pid)  # orphans left in the group
-                if drain_until is None:
-                    drain_until = time.monotonic() + DRAIN_GRACE_S
-        if not exited:
-            _kill_group(leader.pid)
-        returncode = leader.reap()
-        reaped = True
-    finally:
-        if not reaped:
-            _kill_group(leader.pid)
-            leader.reap()
-        sel.close()
-        if pidfd is not None:
-            os.close(pidfd)
-        for fd in streams:
-            os.close(fd)
-    out, err = streams[out_fd], streams[err_fd]
-    return Result(
-        stdout=out.text("stdout"),
-        stderr=err.text("stderr"),
-        exit_code=returncode if returncode >= 0 else 128 - returncode,
-        timed_out=timed_out,
-        duration=time.monotonic() - start,
-        truncated=out.truncated or err.truncated,
-    )

@@ -70,18 +70,17 @@ from etude.sandbox import seccomp
 from etude.sandbox.base import (
     Result,
     SandboxConfig,
-    popen_spawner,
     prlimit_argv,
     python_bin_dir,
     resolve_timeout,
     resolve_workspace,
-    run_process_tree,
     sandbox_env,
     shell_argv,
 )
 from etude.sandbox.fanotify import FanotifyGroups, fanotify_unavailable_reason
 from etude.sandbox.masking import foreign_package_dirs
 from etude.sandbox.recorder import FanotifyRecorder
+from etude.sandbox.runner import popen_spawner, run_process_tree
 from etude.sandbox.tracer import EpisodeTracer
 
 MERGED_USR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -393,7 +392,9 @@ class BwrapSandbox:
 
             def run_as(uid: int | None) -> Result:
                 if self._fanotify is not None:
-                    return self._run_recorded(run, argv, ws, uid, filter_fd, wrapper_execs)
+                    return self._run_recorded(
+                        run, argv, ws, uid, filter_fd, wrapper_execs, timeout_s
+                    )
                 full = self.command(argv, ws, uid, seccomp_fd=seccomp_at)
                 if self._tracer is None:
                     return run(full)
@@ -424,6 +425,7 @@ class BwrapSandbox:
         uid: int | None,
         seccomp_fd: int,
         wrapper_execs: int,
+        timeout_s: float,
     ) -> Result:
         """``run`` the command with a fanotify recorder (``etude.sandbox.recorder``) watching
         it; the sandbox's commands take turns on its event queues."""
@@ -436,6 +438,7 @@ class BwrapSandbox:
                 runtime_roots=self._runtime_roots(),
                 wrapper_execs=wrapper_execs,
                 host_roots=[(self._etc, "/etc")],
+                timeout_s=timeout_s,
             )
             gate = recorder.bwrap_args()
             full = self.command(argv, ws, uid, seccomp_fd=seccomp_fd, bwrap_extra=gate)
@@ -444,6 +447,8 @@ class BwrapSandbox:
                 result = run(full, spawner=spawner, watch=recorder.watches())
             finally:
                 prov = recorder.finish()
+                if recorder.abandoned:  # its reader still holds the queues: new ones next
+                    groups.forget()
         if recorder.started:
             result.provenance = prov
         return result

@@ -154,8 +154,16 @@ class FanotifyGroups:
                 group_c = fanotify_init(FAN_CLASS_NOTIF)
             self._fds = (group_a, group_b, group_c)
             self._owner = os.getpid()
-            self._finalizer = weakref.finalize(self, _close_later, self._fds)
+            self._finalizer = weakref.finalize(self, close_later, self._fds)
         return self._fds
+
+    def forget(self) -> None:
+        """Drop the groups without closing them (held by the lock's owner): a recorder's reader
+        left behind in them closes them when it returns (``FanotifyRecorder.abandoned``); the
+        next command makes new ones."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._fds = self._finalizer = None
 
     def close(self) -> None:
         """Release the groups (after the command that holds them, if one runs)."""
@@ -208,7 +216,7 @@ def _close_all(fds: Iterable[int]) -> None:
             os.close(fd)
 
 
-def _close_later(fds: Iterable[int]) -> None:
+def close_later(fds: Iterable[int]) -> None:
     """Close fanotify groups from a thread of its own (each close waits for the kernel)."""
     try:
         threading.Thread(target=_close_all, args=(tuple(fds),), daemon=True).start()

@@ -34,10 +34,10 @@ from etude.sandbox.base import (
     python_bin_dir,
     resolve_timeout,
     resolve_workspace,
-    run_process_tree,
     sandbox_env,
     shell_argv,
 )
+from etude.sandbox.runner import run_process_tree
 
 
 def _user_task_count(uid: int) -> int | None:

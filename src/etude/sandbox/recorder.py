@@ -26,11 +26,14 @@ groups; the kernel interface is ``etude.sandbox.fanotify``):
    events: group C (notification class, a descriptor per event) gets the opens under
    ``/proc``, whose path is read from the descriptor the kernel reopens for the reader.
 3. The byte is written: the command runs. ``run_process_tree`` serves the queues while it
-   waits (``watches``): each event's directory handle becomes a path as it arrives (a cache
-   kept right through renames of workspace directories) and the event is sorted into the
-   record.
+   waits (``watches``), a slice of ``MAX_EVENTS_PER_CALL`` events or ``SLICE_S`` per call so
+   that the runner keeps its deadline under a flood: each event's directory handle becomes a
+   path as it arrives (a cache kept right through renames of workspace directories) and the
+   event is sorted into the record.
 4. After ``bwrap`` exited (the kernel emptied the PID namespace first, so every process of the
-   command, detached or not, has ended and queued its last event) the queues are drained.
+   command, detached or not, has ended and queued its last event) the queues are drained,
+   within ``DRAIN_BUDGET_S``. A reader the runner's watchdog left behind (stuck past the
+   deadline) is not waited for: the record is incomplete (``abandoned``).
 
 What it records (the fields of ``provenance.Provenance``): ``read`` (regular files read or opened
 read-only), ``listed`` (directories opened), ``written`` (written, closed after writing,
@@ -76,11 +79,11 @@ import posixpath
 import re
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from etude.sandbox.base import Leader, Spawner
 from etude.sandbox.fanotify import (
     DIR_EVENTS,
     DIRENT_EVENTS,
@@ -105,6 +108,7 @@ from etude.sandbox.fanotify import (
     MOUNT_EVENTS,
     MOUNT_FD_FLAGS,
     allow,
+    close_later,
     dir_handle,
     events,
     exec_call,
@@ -120,6 +124,7 @@ from etude.sandbox.provenance import (
     cap_argv,
     process_argv,
 )
+from etude.sandbox.runner import Leader, Spawner
 
 ELF_INTERPRETERS = (b"ld-linux", b"ld.so", b"ld-musl", b"ld64.so")
 """Names of dynamic loaders: the kernel opens them for exec too (not a program of their own)."""
@@ -127,7 +132,16 @@ _PROC_OWN = re.compile(r"^/proc/(?!1(?:/|$))\d+(?=/|$)")
 _PROC_THREAD = re.compile(r"^/proc/self/task/\d+(?=/|$)")
 READ_BYTES = 1 << 18
 BLOCK_TIMEOUT_S = 30.0
-"""How long ``bwrap`` may take to build the sandbox before the command is released."""
+"""How long ``bwrap`` may take to build the sandbox before the command is released (at most the
+command's own timeout)."""
+MAX_EVENTS_PER_CALL = 1024
+SLICE_S = 0.02
+"""One call of a queue's reader handles at most ``MAX_EVENTS_PER_CALL`` events and about
+``SLICE_S`` seconds of them; the rest of its read waits for the next call, after the runner has
+looked at the clock (a flood cannot keep the loop from the command's deadline)."""
+DRAIN_BUDGET_S = 3.0
+"""How long ``finish`` may read what is left in the queues after the command; past it the record
+is incomplete (a flood that outran the reader, not a command that did less)."""
 UNMARKED_FS = frozenset(["sysfs", "devpts", "mqueue", "devtmpfs", "cgroup", "cgroup2"])
 """File systems not marked in group A: sysfs and cgroup file systems have no file handles (and
 the sandbox does not mount them); the device nodes of /dev and its pseudo terminals say nothing
@@ -175,6 +189,7 @@ class FanotifyRecorder:
         runtime_roots: Iterable[str],
         wrapper_execs: int,
         host_roots: Sequence[tuple[str, str]] = (),
+        timeout_s: float = BLOCK_TIMEOUT_S,
     ) -> None:
         self.group_a, self.group_b, self.group_c = groups
         self.workspace = workspace.rstrip("/")
@@ -197,6 +212,17 @@ class FanotifyRecorder:
         self._unverified: dict[int, tuple[str, list[str], bool]] = {}
         self._root_pid = -1
         self._command_started = False
+        self._timeout_s = timeout_s
+        self._pending: dict[int, tuple[bytes, int]] = {}  # group -> a read and where to go on
+        # (device, inode) of files the command linked in the workspace -> the names it made
+        self._links: dict[tuple[int, int], set[str]] = {}
+        # a reader in progress, and whether finish left it behind (the runner abandoned it)
+        self._serving_lock = threading.Lock()
+        self._serving = False
+        self.abandoned = False
+        """A queue reader had not come back when the record was taken (``finish``): the record
+        is incomplete, and this recorder's groups are closed by that reader when it returns
+        (the sandbox must make new ones)."""
         self.started = False
         """Whether ``bwrap`` was started (a command that could not start has no record)."""
         self.overflow = False
@@ -204,19 +230,31 @@ class FanotifyRecorder:
         self.num_events = 0
         self.error: str | None = None
         """Why events stopped being read (the record is then incomplete)."""
-        self._discard_pending()
+        self._discard_pending(own=False)
         self._mark_workspace()
 
-    def _discard_pending(self) -> None:
-        """Events queued since the last command are not this one's (this process's own work
-        in the workspace, a previous overflow): read and drop them."""
+    def _discard_pending(self, reads: int | None = None, *, own: bool = True) -> None:
+        """Drop what is queued, answering held executions: the events queued since the last
+        command are not this one's (this process's own work in the workspace, a previous
+        overflow: ``own=False``), and after a reader's error or past the drain's budget nothing
+        more is recorded (an overflow among them still marks the record). ``reads``: at most
+        that many reads per group (a command still running may queue as fast as this drops)."""
         for group in (self.group_a, self.group_b, self.group_c):
-            while (buf := _read_queue(group)) is not None:
-                for _, fd in events(buf):
+            buf, off = self._pending.pop(group, (b"", 0))
+            num = 0
+            while True:
+                for mask, fd in events(buf[off:]):
+                    if mask & FAN_Q_OVERFLOW and own:
+                        self.overflow = True
                     if group == self.group_b:
                         allow(group, fd)
                     elif fd >= 0:
                         os.close(fd)
+                if reads is not None and num == reads:
+                    break
+                if (buf := _read_queue(group)) is None:
+                    break
+                off, num = 0, num + 1
 
     # ------------------------------------------------------------------ set-up
 
@@ -278,7 +316,7 @@ class FanotifyRecorder:
                 child = int(json.loads(info)["child-pid"])
                 break
         blocked = f"0 {hex(self._block_fd)} "  # read(block_fd, ...)
-        deadline = time.monotonic() + BLOCK_TIMEOUT_S
+        deadline = time.monotonic() + min(BLOCK_TIMEOUT_S, self._timeout_s)
         wait = 0.0001
         while time.monotonic() < deadline:
             try:
@@ -330,31 +368,58 @@ class FanotifyRecorder:
 
     # ------------------------------------------------------------------ events
 
-    def watches(self) -> list[tuple[int, Callable[[], None]]]:
+    def watches(self) -> list[tuple[int, Callable[[], bool]]]:
         """The queues and their readers, for ``run_process_tree(watch=...)``: served by the
-        thread that waits for the command anyway (no thread of their own, no hand-off)."""
+        loop that waits for the command anyway (no thread per queue, no hand-off), a slice
+        per call (``MAX_EVENTS_PER_CALL``, ``SLICE_S``)."""
         return [
-            (self.group_b, functools.partial(self._serve, self._read_b)),
-            (self.group_a, functools.partial(self._serve, self._read_a)),
-            (self.group_c, functools.partial(self._serve, self._read_c)),
+            (self.group_b, functools.partial(self._serve, self._read_b, self.group_b)),
+            (self.group_a, functools.partial(self._serve, self._read_a, self.group_a)),
+            (self.group_c, functools.partial(self._serve, self._read_c, self.group_c)),
         ]
 
-    def _serve(self, read: Callable[[], bool]) -> None:
-        if self.error is not None:
-            self._discard_pending()  # keep the queues moving; the record says it is incomplete
-            return
+    def _serve(self, read: Callable[[], bool], group: int) -> bool:
+        """One slice of a queue; whether that queue has more already read (call again)."""
+        with self._serving_lock:
+            if self.abandoned:
+                return False
+            self._serving = True
         try:
-            read()
-        except Exception as e:  # noqa: BLE001 - the command must not hang on a broken reader
-            self.error = f"{type(e).__name__}: {e}"
-            self.complete = False
-            self._discard_pending()
+            if self.error is not None:
+                # keep the queues moving, a read per call; the record says it is incomplete
+                self._discard_pending(reads=1)
+                return False
+            try:
+                read()
+            except Exception as e:  # noqa: BLE001 - the command must not hang on a broken reader
+                self.error = f"{type(e).__name__}: {e}"
+                self.complete = False
+                self._discard_pending(reads=1)
+            return group in self._pending
+        finally:
+            with self._serving_lock:
+                self._serving = False
+                if self.abandoned:  # finish left this reader behind: it releases what it used
+                    self._release()
 
-    def _events(self, buf: bytes) -> Iterator[tuple[int, int, int, int, int]]:
-        """``(mask, fd, pid, info_start, end)`` of each event in ``buf``, offsets into it; a
-        queue overflow marks the record instead of being yielded."""
-        off = 0
+    def _slice(self, group: int) -> tuple[bytes, int] | None:
+        """What to read next from ``group``: the rest of an earlier read, else a new read."""
+        pending = self._pending.pop(group, None)
+        if pending is not None:
+            return pending
+        buf = _read_queue(group)
+        return None if buf is None else (buf, 0)
+
+    def _events(self, group: int, buf: bytes, off: int) -> Iterator[tuple[int, int, int, int, int]]:
+        """``(mask, fd, pid, info_start, end)`` of the events of ``buf`` from ``off``, offsets
+        into it, one slice: the rest is kept for the next call. A queue overflow marks the
+        record instead of being yielded."""
+        num, until = 0, time.monotonic() + SLICE_S
         while off + META.size <= len(buf):
+            num += 1
+            if num > MAX_EVENTS_PER_CALL or (num & 63 == 0 and time.monotonic() > until):
+                self._pending[group] = (buf, off)
+                return
             length, _, _, meta_len, mask, fd, pid = META.unpack_from(buf, off)
             assert length >= META.size, "not a fanotify event (a group's descriptor was lost)"
             start, off = off, off + length
@@ -365,10 +430,9 @@ class FanotifyRecorder:
 
     def _read_b(self) -> bool:
         """Permission events: record the argv of each ``execve``, then let it go on."""
-        buf = _read_queue(self.group_b)
-        if buf is None:
+        if (read := self._slice(self.group_b)) is None:
             return False
-        for _, fd, pid, _, _ in self._events(buf):
+        for _, fd, pid, _, _ in self._events(self.group_b, *read):
             try:
                 self._exec_event(fd, pid)
             except Exception as e:  # noqa: BLE001 - every held execve must be answered
@@ -450,10 +514,9 @@ class FanotifyRecorder:
         exits, and another process's ``maps``, ``stat`` or ``mountinfo`` tell what its own do
         (one namespace). A file that can no longer be opened (its process ended before the
         event was read) is not recorded."""
-        buf = _read_queue(self.group_c)
-        if buf is None:
+        if (read := self._slice(self.group_c)) is None:
             return False
-        for _, fd, pid, _, _ in self._events(buf):
+        for _, fd, pid, _, _ in self._events(self.group_c, *read):
             if fd < 0:
                 continue
             try:
@@ -475,11 +538,11 @@ class FanotifyRecorder:
         return True
 
     def _read_a(self) -> bool:
-        buf = _read_queue(self.group_a)
-        if buf is None:
+        if (read := self._slice(self.group_a)) is None:
             return False
+        buf = read[0]
         flags, dirs, skip = self._flags, self._dirs, (self._bwrap_pid, self._own_pid)
-        for mask, _, pid, at, end in self._events(buf):
+        for mask, _, pid, at, end in self._events(self.group_a, *read):
             if pid in skip:
                 continue  # bwrap's first process, and this one's look at the mounts
             self.num_events += 1
@@ -590,45 +653,90 @@ class FanotifyRecorder:
     def _maybe_link(self, path: str) -> None:
         """A new name of an existing workspace file (a hard link; they cannot cross mounts, so
         the source is in the workspace too): its other names count as read and written, as with
-        strace. Found by inode, once the link is seen."""
+        strace. Its inode is noted here; the names are found by ``_link_sources``, one walk of
+        the workspace for all links (a walk per link would let a flood of links stall the
+        reader)."""
         try:
             st = os.lstat(path)
         except OSError:
             return
-        if st.st_nlink < 2 or not path.startswith(self.workspace + "/"):
-            return
+        if st.st_nlink >= 2 and path.startswith(self.workspace + "/"):
+            self._links.setdefault((st.st_dev, st.st_ino), set()).add(path)
+
+    def _link_sources(self, until: float) -> bool:
+        """The other names of the linked files (``_maybe_link``) as read and written; False
+        when the walk ran past ``until``."""
+        num = 0
         for dirpath, _, filenames in os.walk(self.workspace):
             for name in filenames:
+                num += 1
+                if num & 255 == 0 and time.monotonic() > until:
+                    return False
                 other = os.path.join(dirpath, name)
-                with contextlib.suppress(OSError):
-                    if other != path and os.lstat(other).st_ino == st.st_ino:
-                        self.builder.add("read", other)
-                        self.builder.add("written", other)
+                try:
+                    st = os.lstat(other)
+                except OSError:
+                    continue
+                made = self._links.get((st.st_dev, st.st_ino))
+                if made is not None and (other not in made or len(made) > 1):
+                    self.builder.add("read", other)
+                    self.builder.add("written", other)
+        return True
 
     # ------------------------------------------------------------------ result
 
     def finish(self) -> Provenance:
         """Drain the queues (the command has ended: every event of it is queued) and release
-        this command's descriptors: the record of the command."""
+        this command's descriptors: the record of the command. Takes ``DRAIN_BUDGET_S`` at
+        most; a reader the runner left behind (stuck past the deadline) is not waited for:
+        the record is then incomplete (``abandoned``)."""
+        with self._serving_lock:
+            self.abandoned = self._serving
+        if self.abandoned:
+            self.complete = False
+            self.error = "a queue reader had not returned by the command's deadline"
+            # the reader may go on when it returns: what it adds goes to a record nobody reads
+            builder, flags = self.builder, self._flags
+            self.builder = RecordBuilder(workspace=self.workspace, runtime_roots=())
+            self._flags = {}
+            return self._record(builder, list(flags.items()))
+        until = time.monotonic() + DRAIN_BUDGET_S
         readers = (self._read_b, self._read_a, self._read_c)
         while self.error is None and any([read() for read in readers]):
-            pass
+            if time.monotonic() > until:
+                self.error = f"the queues were not drained within {DRAIN_BUDGET_S} s"
+                self.complete = False
         if self.error is not None:
             self._discard_pending()
+        if self._links and not self._link_sources(until):
+            self.complete = False
+        self._release()
+        return self._record(self.builder, list(self._flags.items()))
+
+    def _release(self) -> None:
+        """Close this command's descriptors, and the groups when a reader was left behind."""
         for fd in self._mount_fds.values():
             os.close(fd)
+        self._mount_fds = {}
         self.gate.close()
-        for (base, name), mask in self._flags.items():
+        if self.abandoned:
+            close_later((self.group_a, self.group_b, self.group_c))
+
+    def _record(
+        self, builder: RecordBuilder, flags: list[tuple[tuple[str, bytes], int]]
+    ) -> Provenance:
+        """The record: each entry's event bits folded into what was done to it."""
+        for (base, name), mask in flags:
             path = base if name == b"." else f"{base.rstrip('/')}/{os.fsdecode(name)}"
             if mask & FAN_ONDIR:
                 if mask & FAN_OPEN:
-                    self.builder.add("listed", path)
+                    builder.add("listed", path)
                 continue
             if mask & (FAN_MODIFY | FAN_CLOSE_WRITE):
-                self.builder.add("written", path)
+                builder.add("written", path)
             if mask & FAN_ACCESS or (mask & FAN_CLOSE_NOWRITE and not mask & FAN_CLOSE_WRITE):
-                self.builder.add("read", path)
-        prov = self.builder.prov
+                builder.add("read", path)
+        prov = builder.prov
         prov.num_events = self.num_events
         prov.overflow = self.overflow
         prov.complete = self.complete and not self.overflow

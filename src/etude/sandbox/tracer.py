@@ -47,7 +47,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from etude.sandbox import provenance
-from etude.sandbox.base import Leader, Result
+from etude.sandbox.base import Result
+from etude.sandbox.runner import Leader
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 START_TIMEOUT_S = 60.0
