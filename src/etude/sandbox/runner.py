@@ -183,9 +183,11 @@ class _Tree:
         self.error: BaseException | None = None
 
     def kill(self) -> None:
-        """SIGKILL the group while its leader is unreaped (after that its id may be another's)."""
+        """The watchdog's SIGKILL of the group, past the deadline: the run timed out (unless
+        the loop reaped the leader first; after that its id may be another's)."""
         with self.lock:
             if self.returncode is None:
+                self.timed_out = True
                 _kill_group(self.leader.pid)
 
     def abandon(self) -> None:
