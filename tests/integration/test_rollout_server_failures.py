@@ -14,25 +14,29 @@ import signal
 import threading
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from etude.config import to_dict
+from etude.config import apply_overrides, from_dict, load_toml, to_dict
 from etude.engine.backends import HTTPBackend, HTTPBackendConfig
 from etude.env.coding import EnvConfig
 from etude.env.pool import EnvPool
-from etude.env.trajectory import is_infra_failure
+from etude.env.trajectory import is_infra_failure, read_jsonl
 from etude.model.config import ModelConfig
-from etude.model.tokenizer import Tokenizer, default_corpus
+from etude.model.tokenizer import Tokenizer, default_corpus, train_default_tokenizer
 from etude.model.transformer import build_model
 from etude.parallel.checkpoint import export_safetensors
+from etude.report.metrics import read_metrics
 from etude.rl.rollout import RolloutConfig, collect_rollouts
 from etude.rl.server_process import ServerProcess
+from etude.rl.trainer import TrainRecipe, run_train
 from etude.tasks.record import load_tasks
 
-TASKS = Path(__file__).parents[2] / "examples" / "tasks" / "handwritten"
+ROOT = Path(__file__).parents[2]
+TASKS = ROOT / "examples" / "tasks" / "handwritten"
 CFG = RolloutConfig(tasks_per_step=2, group_size=2, max_new_tokens=8, num_workers=2)
 
 
@@ -41,28 +45,48 @@ def tok() -> Tokenizer:
     return Tokenizer.train(default_corpus(200_000), 512)
 
 
+TINY = dict(
+    dim=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    num_dense_layers=1,
+    num_experts=4,
+    num_experts_per_tok=2,
+    expert_ffn_dim=32,
+    dense_ffn_dim=64,
+    max_seq_len=4096,
+)
+
+
+def tiny_config(vocab_size: int) -> ModelConfig:
+    return ModelConfig.preset("tiny", vocab_size=vocab_size, **TINY)
+
+
 @pytest.fixture(scope="module")
 def server(tok: Tokenizer, tmp_path_factory) -> Iterator[ServerProcess]:
-    cfg = ModelConfig.preset(
-        "tiny",
-        vocab_size=tok.vocab_size,
-        dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        num_dense_layers=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_ffn_dim=32,
-        dense_ffn_dim=64,
-        max_seq_len=4096,
-    )
+    cfg = tiny_config(tok.vocab_size)
     run = tmp_path_factory.mktemp("run")
     export_safetensors(build_model(cfg, seed=0), run / "export", to_dict(cfg))
     tok.save(run / "tokenizer")
     with ServerProcess(run, log_path=run / "serve.log") as process:
         yield process
+
+
+@contextmanager
+def silent_for_one_sample(upstream: str) -> Iterator[str]:
+    """The URL of a proxy to ``upstream`` that never answers sample 1's completions."""
+    SilentForOneSample.upstream = upstream
+    SilentForOneSample.release.clear()
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), SilentForOneSample)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{proxy.server_port}"
+    finally:
+        SilentForOneSample.release.set()
+        proxy.shutdown()
 
 
 class SilentForOneSample(BaseHTTPRequestHandler):
@@ -109,9 +133,10 @@ def rollout(backend: HTTPBackend, tok: Tokenizer, tmp_path: Path) -> list:
     return trajectories
 
 
-def backend_config(url: str) -> HTTPBackendConfig:
-    # a short timeout and no retry: a silent server is found out in two seconds
-    return HTTPBackendConfig(url=url, timeout=2.0, max_retries=0)
+def backend_config(url: str, timeout: float) -> HTTPBackendConfig:
+    # no retry: a silent server is found out after one timeout, which must still be long
+    # enough for the answered requests on a loaded machine
+    return HTTPBackendConfig(url=url, timeout=timeout, max_retries=0)
 
 
 class StoppedWhenAsked(HTTPBackend):
@@ -142,19 +167,11 @@ def check_masked(trajectory) -> None:
 
 
 def test_requests_the_server_never_answers_mask_their_episodes_only(server, tok, tmp_path):
-    reference = rollout(HTTPBackend(backend_config(server.url)), tok, tmp_path / "a")
+    reference = rollout(HTTPBackend(backend_config(server.url, 60.0)), tok, tmp_path / "a")
     assert all(t.reward is not None for t in reference)
 
-    SilentForOneSample.upstream = server.url
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), SilentForOneSample)
-    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{proxy.server_port}"
-        faulty = rollout(HTTPBackend(backend_config(url)), tok, tmp_path / "b")
-    finally:
-        SilentForOneSample.release.set()
-        proxy.shutdown()
+    with silent_for_one_sample(server.url) as url:
+        faulty = rollout(HTTPBackend(backend_config(url, 8.0)), tok, tmp_path / "b")
     lost = [t for t in faulty if t.info["sample"] == 1]
     kept = [t for t in faulty if t.info["sample"] == 0]
     assert len(lost) == len(kept) == CFG.tasks_per_step
@@ -166,7 +183,7 @@ def test_requests_the_server_never_answers_mask_their_episodes_only(server, tok,
 
 
 def test_a_stopped_server_masks_the_step_s_episodes_and_the_step_completes(server, tok, tmp_path):
-    backend = StoppedWhenAsked(backend_config(server.url), server.proc.pid)
+    backend = StoppedWhenAsked(backend_config(server.url, 2.0), server.proc.pid)
     try:
         trajectories = rollout(backend, tok, tmp_path)
     finally:
@@ -175,3 +192,56 @@ def test_a_stopped_server_masks_the_step_s_episodes_and_the_step_completes(serve
     for trajectory in trajectories:
         check_masked(trajectory)
         assert "failed after 1 tries" in trajectory.info["infra"]  # backend.max_retries=0
+
+
+@pytest.mark.slow  # an RL run through etude serve, waiting out two request timeouts per step
+def test_the_trainer_counts_the_lost_episodes_per_step_and_completes(tmp_path) -> None:
+    """``etude train`` rolling out through the server behind the proxy: every step completes,
+    its metrics count the two lost episodes (``infra/episodes``), and none is scored."""
+    tok = train_default_tokenizer(512)
+    served = tmp_path / "served"
+    export_safetensors(
+        build_model(tiny_config(512), seed=0), served / "export", to_dict(tiny_config(512))
+    )
+    tok.save(served / "tokenizer")
+    run = tmp_path / "run"
+    tok.save(run / "tokenizer")
+    model = {"model.preset": "tiny", "model.vocab_size": 512}
+    model.update({f"model.{k}": v for k, v in TINY.items()})
+    with ServerProcess(served, log_path=tmp_path / "serve.log") as server:
+        with silent_for_one_sample(server.url) as url:
+            overrides = [
+                *(f"{k}={json.dumps(v)}" for k, v in model.items()),
+                f"tasks.path='{TASKS / 'tasks.jsonl'}'",
+                "tasks.limit=2",
+                "tasks.curriculum=false",
+                "tasks.repo=''",
+                "env.max_turns=2",
+                "env.max_tokens=4000",
+                "rollout.tasks_per_step=2",
+                "rollout.group_size=2",
+                "rollout.max_new_tokens=8",
+                "rollout.num_workers=2",
+                f"rollout.server_url='{url}'",
+                "rollout.sync.kind='http'",
+                # a weight reload must fit in one request's time on a loaded machine
+                "rollout.server_timeout_s=10.0",
+                "rollout.server_retries=0",
+                "rl.micro_batch_size=2",
+                "train.init=''",
+                "train.steps=2",
+                "train.checkpoint_every=2",
+                "train.progress=false",
+                f"train.run_dir='{run}'",
+            ]
+            data = apply_overrides(load_toml(ROOT / "configs" / "rl-tiny.toml"), overrides)
+            run_train(from_dict(TrainRecipe, data, "recipe"))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["infra/episodes"] for r in rows] == [2.0, 2.0]
+    for path in sorted((run / "trajectories").glob("step_*.jsonl")):
+        for trajectory in read_jsonl(path):
+            if trajectory.info["sample"] == 1:
+                check_masked(trajectory)
+            else:
+                assert trajectory.reward is not None and not is_infra_failure(trajectory)
