@@ -32,7 +32,7 @@ demo: system-deps $(STAMP)
 test: system-deps $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/pytest -m "not slow"
+	$(BIN)/pytest -m "not slow" --durations=15
 
 test-all: system-deps $(STAMP)
 	$(BIN)/pytest

@@ -4,12 +4,14 @@ Each test pins one property of ``etude.rl.trainer`` / ``etude.engine.sampling`` 
 ``etude.rl.teacher`` that a plausible implementation gets wrong: ratios at temperature != 1,
 truncated (top-k/top-p) behaviour logprobs, the EMA teacher's buffers, hinted KL in dropped
 groups, one normaliser for PPO and KL, pass rate after the monitor, NaN-free log ratios, the
-per-token KL in the trajectory, and a zero-signal step that leaves the weights alone.
+per-token KL in the trajectory, a zero-signal step that leaves the weights alone, and the
+trainer's teacher stage applying ``teacher.kl_span``.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,10 +31,11 @@ from etude.rl.teacher import (
     TeacherConfig,
     TeacherWeights,
     build_hinted_turns,
+    cut_at_divergence,
     feedback_kl_loss,
     teacher_logits,
 )
-from etude.rl.trainer import score_trajectories
+from etude.rl.trainer import RLRun, score_trajectories
 from etude.rl.update import (
     StepBatch,
     StepSums,
@@ -350,3 +353,31 @@ def test_measure_shift_reports_hinted_and_other_tokens(tok: Tokenizer) -> None:
     assert sums["shift_hinted_n"] == len(batch.hinted[0].student_targets)
     assert sums["shift_other_n"] > 0 and sums["shift_hinted"] > 0 and sums["shift_other"] > 0
     assert sums["teacher_minus_student_n"] == sums["shift_hinted_n"]
+
+
+@pytest.mark.parametrize("span", ["turn", "to_divergence"])
+def test_trainer_teach_applies_the_kl_span(tok: Tokenizer, span: str) -> None:
+    # the trainer's teacher stage is where `teacher.kl_span` takes effect: with
+    # "to_divergence" the hinted turns reach the update cut after the first token the hinted
+    # teacher disprefers; with "turn" they stay whole
+    student, teacher = small_model(), small_model(seed=1)
+    cfg = TrainRecipe(
+        rollout=RolloutConfig(group_size=2),
+        teacher=TeacherConfig(beta=1.0, kl_span=span, divergence_nats=1e-6),
+    )
+    trajs = group(student, [0.0, 1.0], hint="Call one of the declared tools.")
+    batch = StepBatch(step=0, trajectories=trajs, rollout_stats=None, started=0.0)
+    run = SimpleNamespace(
+        cfg=cfg, tok=tok, mcfg=student.cfg, teacher=SimpleNamespace(module=teacher)
+    )
+    RLRun.teach(run, batch)  # the stage itself, on a real teacher model
+    whole = build_hinted_turns(trajs, tok, max_len=student.cfg.max_seq_len)
+    got = [len(h.student_targets) for h in batch.hinted]
+    assert [len(t) for t in batch.teachers] == got
+    if span == "turn":
+        assert got == [len(h.student_targets) for h in whole]
+    else:
+        cut, _ = cut_at_divergence(whole, teacher_logits(teacher, whole), trajs, margin=1e-6)
+        assert got == [len(h.student_targets) for h in cut]
+        # two random models disagree within ten tokens: the span is shorter than the turn
+        assert sum(got) < sum(len(h.student_targets) for h in whole)
