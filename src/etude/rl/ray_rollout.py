@@ -22,8 +22,9 @@ same seeds (the same episodes as if nothing had happened, at the newest weights)
 ``retries`` times per share and step. A share still lost after that is masked: each of its
 episodes becomes an infrastructure failure (``reward = None``, ``finish_reason = "error"``,
 ``info["infra"]`` says why), which the trainer leaves out of its group's statistics and the loss
-and never scores 0. The batch's ``RolloutStats`` counts the lost actors, dead or hung (``worker_deaths``) and
-the episodes rolled out again (``retried_episodes``); the trainer logs them per step as
+and never scores 0. The batch's ``RolloutStats`` counts the lost actors, dead or hung
+(``worker_deaths``), and the episodes rolled out again (``retried_episodes``); the trainer logs
+them per step as
 ``infra/worker_deaths`` and ``infra/retried_episodes`` (masked episodes: ``infra/episodes``). An
 exception raised by the rollout code itself (``RayTaskError``: a bad task or setting) is a bug,
 not infrastructure, and is raised.
