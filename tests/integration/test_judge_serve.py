@@ -41,11 +41,7 @@ def free_port() -> int:
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("judge-serve")
     tok = Tokenizer.train(default_corpus(50_000), 400)
-    cfg = ModelConfig.preset(
-        "tiny", vocab_size=tok.vocab_size, dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
-        head_dim=16, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
-        expert_ffn_dim=32, dense_ffn_dim=64, max_seq_len=16384,
-    )  # fmt: skip
+    cfg = ModelConfig.preset("micro", vocab_size=tok.vocab_size, max_seq_len=16384)  # fmt: skip
     export_safetensors(build_model(cfg, seed=0), root / "run" / "export", to_dict(cfg))
     tok.save(root / "run" / "tokenizer")
     (root / "keys.txt").write_text(f"monitor:{KEY}\n")

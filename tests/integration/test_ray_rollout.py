@@ -38,21 +38,7 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def rollouts(tok: Tokenizer, tmp_path_factory):
-    cfg = ModelConfig.preset(
-        "tiny",
-        vocab_size=tok.vocab_size,
-        dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        num_dense_layers=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_ffn_dim=32,
-        dense_ffn_dim=64,
-        max_seq_len=4096,
-    )
+    cfg = ModelConfig.preset("micro", vocab_size=tok.vocab_size, max_seq_len=4096)
     weights = tmp_path_factory.mktemp("weights")
     FileSync(weights, to_dict(cfg)).push(build_model(cfg, seed=0), 0)
     env_cfg = EnvConfig(max_turns=1, max_tokens=4000, work_dir=str(tmp_path_factory.mktemp("ep")))

@@ -45,23 +45,11 @@ def tok() -> Tokenizer:
     return Tokenizer.train(default_corpus(200_000), 512)
 
 
-TINY = dict(
-    dim=32,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    num_dense_layers=1,
-    num_experts=4,
-    num_experts_per_tok=2,
-    expert_ffn_dim=32,
-    dense_ffn_dim=64,
-    max_seq_len=4096,
-)
+TINY = {"max_seq_len": 4096}  # the "micro" preset with the episodes' context
 
 
 def tiny_config(vocab_size: int) -> ModelConfig:
-    return ModelConfig.preset("tiny", vocab_size=vocab_size, **TINY)
+    return ModelConfig.preset("micro", vocab_size=vocab_size, **TINY)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +194,7 @@ def test_the_trainer_counts_the_lost_episodes_per_step_and_completes(tmp_path) -
     tok.save(served / "tokenizer")
     run = tmp_path / "run"
     tok.save(run / "tokenizer")
-    model = {"model.preset": "tiny", "model.vocab_size": 512}
+    model = {"model.preset": "micro", "model.vocab_size": 512}
     model.update({f"model.{k}": v for k, v in TINY.items()})
     with ServerProcess(served, log_path=tmp_path / "serve.log") as server:
         with silent_for_one_sample(server.url) as url:

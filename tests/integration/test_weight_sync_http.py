@@ -35,21 +35,7 @@ def local_logprobs(model, prompt: list[int], generated: list[int]) -> list[float
 
 def test_served_logprobs_follow_every_step(tmp_path) -> None:
     tok = Tokenizer.train(default_corpus(100_000), 300)
-    cfg = ModelConfig.preset(
-        "tiny",
-        vocab_size=tok.vocab_size,
-        dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        num_dense_layers=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_ffn_dim=32,
-        dense_ffn_dim=64,
-        max_seq_len=256,
-    )
+    cfg = ModelConfig.preset("micro", vocab_size=tok.vocab_size, max_seq_len=256)
     model = build_model(cfg, seed=0)
     export_safetensors(model, tmp_path / "run" / "export", to_dict(cfg))
     tok.save(tmp_path / "run" / "tokenizer")

@@ -39,14 +39,14 @@ def small_cfg(**overrides) -> ModelConfig:
 
 
 def test_presets_build_and_unknown_preset_lists_names():
-    assert PRESETS == ("tiny", "small", "kimi-k2", "deepseek-v3")
+    assert PRESETS == ("micro", "tiny", "small", "kimi-k2", "deepseek-v3")
     tiny = ModelConfig.preset("tiny")
     assert (tiny.vocab_size, tiny.dim, tiny.num_layers, tiny.num_experts) == (2048, 128, 4, 8)
     k2 = ModelConfig.preset("kimi-k2")
     assert (k2.dim, k2.num_layers, k2.num_experts, k2.num_experts_per_tok) == (7168, 61, 384, 8)
     assert ModelConfig.preset("tiny", dim=64).dim == 64
     with pytest.raises(
-        ValueError, match="unknown model preset 'huge'; valid presets: tiny, small, kimi-k2"
+        ValueError, match="unknown model preset 'huge'; valid presets: micro, tiny, small, kimi-k2"
     ):
         ModelConfig.preset("huge")
     with pytest.raises(ValueError, match="unknown ModelConfig field 'dimm'"):

@@ -31,21 +31,7 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def engine(tok: Tokenizer) -> Engine:
-    cfg = ModelConfig.preset(
-        "tiny",
-        vocab_size=tok.vocab_size,
-        dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        num_dense_layers=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_ffn_dim=32,
-        dense_ffn_dim=64,
-        max_seq_len=4096,
-    )
+    cfg = ModelConfig.preset("micro", vocab_size=tok.vocab_size, max_seq_len=4096)
     return Engine(build_model(cfg, seed=0), max_seq_len=4000, decode_fn=tok.decode)
 
 

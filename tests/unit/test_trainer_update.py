@@ -55,21 +55,7 @@ def tok() -> Tokenizer:
 
 
 def small_model(vocab: int = 400, seed: int = 0):
-    cfg = ModelConfig.preset(
-        "tiny",
-        vocab_size=vocab,
-        dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        num_dense_layers=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_ffn_dim=32,
-        dense_ffn_dim=64,
-        max_seq_len=256,
-    )
+    cfg = ModelConfig.preset("micro", vocab_size=vocab, max_seq_len=256)
     return build_model(cfg, seed=seed)
 
 

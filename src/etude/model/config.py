@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PRESETS = ("tiny", "small", "kimi-k2", "deepseek-v3")
+PRESETS = ("micro", "tiny", "small", "kimi-k2", "deepseek-v3")
 """Names accepted by ``ModelConfig.preset``."""
 
 
@@ -288,6 +288,28 @@ class ModelConfig:
 
 
 _PRESET_FIELDS: dict[str, dict[str, Any]] = {
+    # the smallest model with every part (a dense layer, routed experts, grouped-query attention):
+    # for tests and smoke runs of the machinery, not for learning anything
+    "micro": dict(
+        vocab_size=512,
+        dim=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        dense_ffn_dim=64,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_ffn_dim=32,
+        num_shared_experts=1,
+        route_scale=1.0,
+        bias_update_rate=1e-3,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=512,
+        init_std=0.02,
+    ),
     "tiny": dict(
         vocab_size=2048,
         dim=128,
