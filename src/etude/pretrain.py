@@ -266,7 +266,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
         save_checkpoint,
     )
     from etude.parallel.dims import ParallelDims
-    from etude.report.metrics import MetricsLogger, format_step_line, prepare_run_dir
+    from etude.report.metrics import MetricsLogger, StepClock, format_step_line, prepare_run_dir
 
     tc, dc = cfg.train, cfg.data
     mcfg = cfg.model_config()
@@ -375,6 +375,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
     )
     with progress:
         bar = progress.add_task("pretrain", total=tc.steps, completed=start_step, info="")
+        clock = StepClock(start_step, tc.steps)
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
             for group, base in zip(optimizer.param_groups, base_lrs):
@@ -419,7 +420,13 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, float]:
             progress.update(bar, advance=1, info=f"loss {metrics['loss']:.3f}")
             if is_main and (done % tc.log_every == 0 or done == tc.steps):
                 progress.console.print(
-                    format_step_line(done, metrics, ("loss", "val_loss", "grad_norm", "tok/s"))
+                    format_step_line(
+                        done,
+                        metrics,
+                        ("loss", "val_loss", "grad_norm", "tok/s"),
+                        total=tc.steps,
+                        eta_s=clock.eta(done),
+                    )
                 )
             if done % tc.checkpoint_every == 0 or done == tc.steps:
                 save_checkpoint(

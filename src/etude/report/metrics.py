@@ -6,7 +6,9 @@ into its run directory. TensorBoard and Weights & Biases are optional sinks, imp
 when asked for. Only rank 0 writes; other ranks get a logger that drops everything.
 
 The console line is fixed-format so that runs can be compared by eye:
-``step 120 | loss 2.31 | reward 0.42 | kl 0.013 | tok/s 48,211``.
+``step 120/300 | loss 2.31 | reward 0.42 | kl 0.013 | tok/s 48,211 | eta 4m 10s``. The line
+carries its own ETA (`StepClock`): the progress bar is drawn only on a terminal, and a job's
+log file (a cluster's, ``nohup``'s) must say how long is left too.
 """
 
 from __future__ import annotations
@@ -39,9 +41,44 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def format_step_line(step: int, metrics: dict[str, float], keys: tuple[str, ...]) -> str:
-    """``step 120 | loss 2.31 | tok/s 48,211``: the listed keys that are present, in order."""
-    parts = [f"step {step}"]
+def format_duration(seconds: float) -> str:
+    """``45s``, ``4m 10s``, ``2h 05m``: a remaining time at the precision that matters."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+class StepClock:
+    """The remaining time of a step loop, from the pace of the steps this process has run (a
+    resumed loop counts from where it resumed, not from step 0)."""
+
+    def __init__(self, first_step: int, total: int, *, now: float | None = None) -> None:
+        self.first_step, self.total = first_step, total
+        self.started = time.monotonic() if now is None else now
+
+    def eta(self, done: int, *, now: float | None = None) -> float | None:
+        """Seconds left after ``done`` steps; None before this process finished a step."""
+        ran = done - self.first_step
+        if ran <= 0:
+            return None
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        return elapsed / ran * max(0, self.total - done)
+
+
+def format_step_line(
+    step: int,
+    metrics: dict[str, float],
+    keys: tuple[str, ...],
+    *,
+    total: int | None = None,
+    eta_s: float | None = None,
+) -> str:
+    """``step 120/300 | loss 2.31 | tok/s 48,211 | eta 4m 10s``: the listed keys that are
+    present, in order; ``/total`` and the ETA where given."""
+    parts = [f"step {step}" if total is None else f"step {step}/{total}"]
     for key in keys:
         if key not in metrics:
             continue
@@ -54,6 +91,8 @@ def format_step_line(step: int, metrics: dict[str, float], keys: tuple[str, ...]
             parts.append(f"{key} {v:.4f}" if abs(v) < 1 else f"{key} {v:.3f}")
         else:
             parts.append(f"{key} {v}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
 
 

@@ -443,6 +443,7 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
     )
     from etude.report.metrics import (
         MetricsLogger,
+        StepClock,
         format_step_line,
         prepare_run_dir,
         write_json_atomic,
@@ -511,6 +512,7 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
     model.train()
     with progress:
         bar = progress.add_task("sft", total=tc.steps, completed=start_step, info="")
+        clock = StepClock(start_step, tc.steps)
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
             for group, base in zip(optimizer.param_groups, base_lrs):
@@ -537,7 +539,13 @@ def run_sft(cfg: SFTRecipe) -> dict[str, float]:
             progress.update(bar, advance=1, info=f"loss {metrics['loss']:.3f}")
             if done % tc.log_every == 0 or done == tc.steps:
                 progress.console.print(
-                    format_step_line(done, metrics, ("loss", "grad_norm", "tok/s"))
+                    format_step_line(
+                        done,
+                        metrics,
+                        ("loss", "grad_norm", "tok/s"),
+                        total=tc.steps,
+                        eta_s=clock.eta(done),
+                    )
                 )
             if done % tc.checkpoint_every == 0 or done == tc.steps:
                 save_checkpoint(run_dir, done, model, optimizer, {"examples": len(examples)})

@@ -355,6 +355,9 @@ class RLRun:
         self.bar = self.progress.add_task(
             "rl", total=cfg.train.steps, completed=self.start_step, info=""
         )
+        from etude.report.metrics import StepClock
+
+        self.clock = StepClock(self.start_step, cfg.train.steps)
         self.model.train()
         return self
 
@@ -554,7 +557,9 @@ class RLRun:
                 "rollout_tok/s",
                 "train_tok/s",
             )
-            self.progress.console.print(format_step_line(done, metrics, keys))
+            self.progress.console.print(
+                format_step_line(done, metrics, keys, total=tc.steps, eta_s=self.clock.eta(done))
+            )
         batch.metrics = metrics
         self.last_metrics = metrics
         return metrics
