@@ -217,9 +217,13 @@ def _close_all(fds: Iterable[int]) -> None:
 
 
 def close_later(fds: Iterable[int]) -> None:
-    """Close fanotify groups from a thread of its own (each close waits for the kernel)."""
+    """Close descriptors from a thread of its own: a fanotify group's close waits for the
+    kernel to free its marks, a mount's last one unmounts it."""
+    fds = tuple(fds)
+    if not fds:
+        return
     try:
-        threading.Thread(target=_close_all, args=(tuple(fds),), daemon=True).start()
+        threading.Thread(target=_close_all, args=(fds,), daemon=True).start()
     except RuntimeError:  # the interpreter is shutting down: no new threads
         _close_all(fds)
 
