@@ -294,6 +294,32 @@ def test_a_flood_cannot_hold_the_deadline_and_its_record_says_it_is_incomplete(
     assert after.complete and not after.overflow and after.read == ["a.txt"]
 
 
+@needs_fanotify
+def test_the_wrappers_programs_are_held_again_once_the_command_runs(sandbox, workspace):
+    """The wrappers' program starts (``setpriv``, ``prlimit`` and their loader) are not held
+    before the command; the command's own starts of the same files are held and recorded,
+    from a shell command and as the command itself (an argv list, where nothing is ignored)."""
+    loader = fanotify.elf_interpreter(shutil.which("setpriv"))
+    assert loader
+    cmd = (
+        "setpriv --reuid=61999 --regid=61999 --clear-groups true; "
+        "prlimit --nofile=64:64 cat a.txt; "
+        f"{loader} /usr/bin/cat sub/x.py"
+    )
+    prov = record(sandbox, cmd, workspace)
+    processes = [normalize_argv(p) for p in prov.processes]
+    assert "setpriv --reuid=61999 --regid=61999 --clear-groups true" in processes
+    assert "prlimit --nofile=64:64 cat a.txt" in processes
+    assert "cat a.txt" in processes and "cat sub/x.py" in processes
+    assert {"a.txt", "sub/x.py"} <= set(prov.read)
+    as_command = record(sandbox, ["prlimit", "--nofile=64:64", "cat", "a.txt"], workspace)
+    assert [normalize_argv(p) for p in as_command.processes] == [
+        "prlimit --nofile=64:64 cat a.txt",
+        "cat a.txt",
+    ]
+    assert len(record(sandbox, "true", workspace).processes) == 1  # bash alone, no wrapper
+
+
 def test_an_overflowed_record_says_so_in_its_summary_and_merge():
     lost = Provenance(read=["a"], overflow=True, complete=False)
     assert "events lost" in lost.summary()

@@ -393,7 +393,7 @@ class BwrapSandbox:
             def run_as(uid: int | None) -> Result:
                 if self._fanotify is not None:
                     return self._run_recorded(
-                        run, argv, ws, uid, filter_fd, wrapper_execs, timeout_s
+                        run, argv, ws, uid, filter_fd, wrapper_execs, timeout_s, run_env["PATH"]
                     )
                 full = self.command(argv, ws, uid, seccomp_fd=seccomp_at)
                 if self._tracer is None:
@@ -417,6 +417,18 @@ class BwrapSandbox:
         finally:
             os.close(filter_fd)
 
+    def _wrapper_programs(self, argv: list[str], uid: int | None, path: str) -> list[str]:
+        """The wrappers' programs (``setpriv`` as root, ``prlimit``) as ``bwrap`` and the
+        wrappers find them on ``path``, for the recorder to leave their starts unheld: only for
+        a shell command (its program, ``bash`` or ``sh``, is neither a wrapper nor a loader)
+        and where they resolve under ``/usr`` (the same files inside the sandbox); else none."""
+        if argv[0] not in ("/bin/bash", "/bin/sh"):
+            return []
+        found = [shutil.which(name, path=path) for name in ("setpriv", "prlimit")[uid is None :]]
+        if not all(p and os.path.realpath(p).startswith("/usr/") for p in found):
+            return []
+        return [p for p in found if p]
+
     def _run_recorded(
         self,
         run: Callable[..., Result],
@@ -426,6 +438,7 @@ class BwrapSandbox:
         seccomp_fd: int,
         wrapper_execs: int,
         timeout_s: float,
+        path: str,
     ) -> Result:
         """``run`` the command with a fanotify recorder (``etude.sandbox.recorder``) watching
         it; the sandbox's commands take turns on its event queues."""
@@ -439,6 +452,7 @@ class BwrapSandbox:
                 wrapper_execs=wrapper_execs,
                 host_roots=[(self._etc, "/etc")],
                 timeout_s=timeout_s,
+                wrapper_programs=self._wrapper_programs(argv, uid, path),
             )
             gate = recorder.bwrap_args()
             full = self.command(argv, ws, uid, seccomp_fd=seccomp_fd, bwrap_extra=gate)

@@ -27,7 +27,8 @@ FAN_CLOEXEC, FAN_NONBLOCK = 0x1, 0x2
 FAN_CLASS_NOTIF, FAN_CLASS_CONTENT = 0x0, 0x4
 FAN_REPORT_FID, FAN_REPORT_DIR_FID, FAN_REPORT_NAME = 0x200, 0x400, 0x800
 FAN_REPORT_TARGET_FID, FAN_REPORT_FD_ERROR = 0x1000, 0x2000
-FAN_MARK_ADD, FAN_MARK_MOUNT, FAN_MARK_INODE = 0x1, 0x10, 0x0
+FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_MARK_MOUNT, FAN_MARK_INODE = 0x1, 0x2, 0x10, 0x0
+FAN_MARK_IGNORED_MASK, FAN_MARK_IGNORED_SURV_MODIFY = 0x20, 0x40
 FAN_ACCESS, FAN_MODIFY, FAN_CLOSE_WRITE, FAN_CLOSE_NOWRITE = 0x1, 0x2, 0x8, 0x10
 FAN_OPEN, FAN_CREATE, FAN_DELETE = 0x20, 0x100, 0x200
 FAN_OPEN_EXEC, FAN_Q_OVERFLOW, FAN_OPEN_EXEC_PERM = 0x1000, 0x4000, 0x40000
@@ -89,8 +90,40 @@ def fanotify_init(flags: int, event_flags: int = os.O_RDONLY) -> int:
     )
 
 
-def fanotify_mark(fd: int, flags: int, mask: int, path: str) -> None:
-    _check(_libc.fanotify_mark(fd, FAN_MARK_ADD | flags, mask, -100, os.fsencode(path)), path)
+def fanotify_mark(fd: int, flags: int, mask: int, path: str, dir_fd: int = -100) -> None:
+    """Add a mark on ``path`` (relative to ``dir_fd`` when given)."""
+    ret = _libc.fanotify_mark(fd, FAN_MARK_ADD | flags, mask, dir_fd, os.fsencode(path))
+    _check(ret, path)
+
+
+def set_ignored(fd: int, mask: int, path: str, *, ignored: bool) -> None:
+    """Add ``mask`` to (or remove it from) the ignore mask of the inode at ``path``: the group
+    then gets no such event on that file, whatever mount mark it came through."""
+    flags = FAN_MARK_ADD | FAN_MARK_IGNORED_SURV_MODIFY if ignored else FAN_MARK_REMOVE
+    ret = _libc.fanotify_mark(fd, flags | FAN_MARK_IGNORED_MASK, mask, -100, os.fsencode(path))
+    _check(ret, path)
+
+
+def elf_interpreter(path: str) -> str | None:
+    """The dynamic loader an ELF64 program names (``PT_INTERP``); None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return None  # not a little-endian ELF64 file
+            (phoff,) = struct.unpack_from("<Q", head, 32)
+            phentsize, phnum = struct.unpack_from("<HH", head, 54)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for at in range(0, len(table) - 39, phentsize):
+                if struct.unpack_from("<I", table, at)[0] == 3:  # PT_INTERP
+                    (offset,) = struct.unpack_from("<Q", table, at + 8)
+                    (size,) = struct.unpack_from("<Q", table, at + 32)
+                    f.seek(offset)
+                    return os.fsdecode(f.read(min(size, 4096)).split(b"\0", 1)[0]) or None
+    except OSError:
+        return None
+    return None
 
 
 def dir_handle(path: str) -> bytes | None:

@@ -110,12 +110,14 @@ from etude.sandbox.fanotify import (
     allow,
     close_later,
     dir_handle,
+    elf_interpreter,
     events,
     exec_call,
     fanotify_mark,
     handle_path,
     info_records,
     read_argv,
+    set_ignored,
 )
 from etude.sandbox.provenance import (
     MAX_PROCESSES,
@@ -146,6 +148,8 @@ UNMARKED_FS = frozenset(["sysfs", "devpts", "mqueue", "devtmpfs", "cgroup", "cgr
 """File systems not marked in group A: sysfs and cgroup file systems have no file handles (and
 the sandbox does not mount them); the device nodes of /dev and its pseudo terminals say nothing
 about the task. procfs has group C."""
+_setup_s = 0.0
+"""How long ``bwrap`` lately took from its info line to the block pipe (a running mean)."""
 MAX_DIRS = 20_000
 """Workspace directories marked per command; past it the record is incomplete."""
 _U16, _U32 = struct.Struct("=H"), struct.Struct("=I")
@@ -179,6 +183,12 @@ class FanotifyRecorder:
     (the sandbox's private ``/etc``), to report paths as the command saw them. The command's
     runner serves the queues while it waits for the command (``watches``), then ``finish``
     drains them.
+
+    ``wrapper_programs``: the wrappers' programs (host paths, as ``bwrap`` and the wrappers find
+    them), given when none of them, nor their loader, can be the command's program (a shell
+    command). Their files are then ignored by group B until the first program start it holds,
+    which is the command's own: the wrappers' starts are not held at all (four holds, two
+    program starts, per command), and from the command on every program is held again.
     """
 
     def __init__(
@@ -190,6 +200,7 @@ class FanotifyRecorder:
         wrapper_execs: int,
         host_roots: Sequence[tuple[str, str]] = (),
         timeout_s: float = BLOCK_TIMEOUT_S,
+        wrapper_programs: Sequence[str] = (),
     ) -> None:
         self.group_a, self.group_b, self.group_c = groups
         self.workspace = workspace.rstrip("/")
@@ -213,6 +224,8 @@ class FanotifyRecorder:
         self._root_pid = -1
         self._command_started = False
         self._timeout_s = timeout_s
+        self._wrapper_files = _with_loaders(tuple(wrapper_programs))
+        self._ignoring: list[str] = []  # files group B ignores until the command's first start
         self._pending: dict[int, tuple[bytes, int]] = {}  # group -> a read and where to go on
         # (device, inode) of files the command linked in the workspace -> the names it made
         self._links: dict[tuple[int, int], set[str]] = {}
@@ -291,6 +304,7 @@ class FanotifyRecorder:
                 # while bwrap builds the sandbox (nothing of the command runs before the byte)
                 self._discard_pending(own=False)
                 self._mark_workspace()
+                self._ignore_wrappers()
                 child = self._wait_blocked(leader)
                 if child is not None:
                     self._bwrap_pid = child
@@ -322,11 +336,15 @@ class FanotifyRecorder:
             fd = os.open(f"/proc/{child}/syscall", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        global _setup_s
+        start = time.monotonic()
         try:
-            # bwrap takes a few ms to build the mounts; every 50 us is a small share of a core
-            # and of the command's wait
+            # bwrap takes a few ms to build the mounts: sleep most of the time it took lately,
+            # then look every 50 us (each look is a few us of CPU the 2 cores could use)
+            time.sleep(0.7 * _setup_s)
             while time.monotonic() < deadline:
                 if os.pread(fd, 64, 0).startswith(blocked):
+                    _setup_s = min(0.5 * _setup_s + 0.5 * (time.monotonic() - start), 0.05)
                     return child
                 if leader.exited():
                     return None
@@ -337,39 +355,72 @@ class FanotifyRecorder:
             os.close(fd)
         return None
 
+    def _ignore_wrappers(self) -> None:
+        """Group B ignores the wrappers' files until the command's first program start (class
+        docstring); their starts are then not held, so none of them is skipped by count."""
+        for path in self._wrapper_files:
+            try:
+                set_ignored(self.group_b, FAN_OPEN_EXEC_PERM, path, ignored=True)
+            except OSError:
+                self._stop_ignoring()  # held and skipped by count, as without the list
+                return
+            self._ignoring.append(path)
+        if self._ignoring:
+            self.skip_execs = 0
+
+    def _stop_ignoring(self) -> None:
+        """Hold every program start again (before the command's first one goes on)."""
+        for path in self._ignoring:
+            with contextlib.suppress(OSError):
+                set_ignored(self.group_b, FAN_OPEN_EXEC_PERM, path, ignored=False)
+        self._ignoring = []
+
     def bwrap_args(self) -> list[str]:
         """``--info-fd``/``--block-fd`` for the ``bwrap`` argv (before its ``--``)."""
         return self.gate.bwrap_args()
 
     def _mark_mounts(self, child: int) -> None:
         """Marks on every mount of the sandbox, and a descriptor per file system to turn the
-        directory handles of its events into paths."""
-        root = f"/proc/{child}/root"
-        host_fsid = struct.pack("=Q", os.statvfs("/").f_fsid)
-        with open(f"/proc/{child}/mountinfo") as f:
-            lines = f.read().splitlines()
-        for line in lines:
-            fields = line.split()
-            mountpoint = fields[4].replace("\\040", " ")
-            fstype = fields[fields.index("-") + 1]
-            path = root + mountpoint
-            if fstype == "proc":
-                with contextlib.suppress(OSError):
-                    fanotify_mark(self.group_c, FAN_MARK_MOUNT, FAN_OPEN | FAN_ONDIR, path)
-                continue
-            if fstype in UNMARKED_FS:
-                continue
-            try:
-                fanotify_mark(self.group_a, FAN_MARK_MOUNT, MOUNT_EVENTS, path)
-                fanotify_mark(self.group_b, FAN_MARK_MOUNT, FAN_OPEN_EXEC_PERM, path)
-            except OSError:
-                self.complete = False  # a mount of the sandbox that cannot be watched
-                continue
-            fsid = struct.pack("=Q", os.statvfs(path).f_fsid)
-            if fsid in self._mount_fds:
-                continue
-            # the host's own root where the file system is the host's: handles open as host paths
-            self._mount_fds[fsid] = os.open("/" if fsid == host_fsid else path, MOUNT_FD_FLAGS)
+        directory handles of its events into paths. Paths are looked up from the sandbox's
+        root directory (opened once through ``/proc/PID/root``); a file system is asked its
+        id once (``major:minor`` names one live file system)."""
+        with open(f"/proc/{child}/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
+        host_dev, host_fsid = _host_fs()
+        root = os.open(f"/proc/{child}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fsids: dict[str, bytes] = {host_dev: host_fsid}  # major:minor -> fsid
+        try:
+            for line in lines:
+                fields = line.split()
+                # relative to the sandbox's root; "." is the root itself
+                rel = fields[4].replace("\\040", " ").lstrip("/") or "."
+                fstype = fields[fields.index("-") + 1]
+                if fstype == "proc":
+                    with contextlib.suppress(OSError):
+                        fanotify_mark(self.group_c, FAN_MARK_MOUNT, FAN_OPEN | FAN_ONDIR, rel, root)
+                    continue
+                if fstype in UNMARKED_FS:
+                    continue
+                try:
+                    fanotify_mark(self.group_a, FAN_MARK_MOUNT, MOUNT_EVENTS, rel, root)
+                    fanotify_mark(self.group_b, FAN_MARK_MOUNT, FAN_OPEN_EXEC_PERM, rel, root)
+                except OSError:
+                    self.complete = False  # a mount of the sandbox that cannot be watched
+                    continue
+                if fields[2] in fsids:
+                    fsid = fsids[fields[2]]
+                    if fsid == host_fsid and fsid not in self._mount_fds:
+                        # the host's file system: its handles open as host paths
+                        self._mount_fds[fsid] = os.open("/", MOUNT_FD_FLAGS)
+                    continue
+                fd = os.open(rel, MOUNT_FD_FLAGS, dir_fd=root)
+                fsids[fields[2]] = fsid = struct.pack("=Q", os.fstatvfs(fd).f_fsid)
+                if fsid in self._mount_fds:
+                    os.close(fd)
+                else:
+                    self._mount_fds[fsid] = fd
+        finally:
+            os.close(root)
 
     # ------------------------------------------------------------------ events
 
@@ -460,6 +511,7 @@ class FanotifyRecorder:
         if not self._command_started:
             # the command's own execve, held here: every /proc open of the wrappers before it
             # is queued by now; read them as theirs, then what comes is the command's
+            self._stop_ignoring()
             while self._read_c():
                 pass
             self._command_started = True
@@ -533,7 +585,7 @@ class FanotifyRecorder:
                 os.close(fd)
             if pid in (self._bwrap_pid, self._own_pid) or not path.startswith("/"):
                 continue
-            if pid == self._root_pid and not self._command_started:
+            if not self._command_started and self._root_pid in (-1, pid):
                 continue  # the wrappers' (setpriv reads /proc/sys/kernel/cap_last_cap)
             self.num_events += 1
             if not path.startswith("/proc/"):  # the sandbox ended: relative to procfs' root
@@ -705,6 +757,7 @@ class FanotifyRecorder:
             self.builder = RecordBuilder(workspace=self.workspace, runtime_roots=())
             self._flags = {}
             return self._record(builder, list(flags.items()))
+        self._stop_ignoring()  # the command never started: the next one must find none
         until = time.monotonic() + DRAIN_BUDGET_S
         readers = (self._read_b, self._read_a, self._read_c)
         while self.error is None and any([read() for read in readers]):
@@ -748,6 +801,26 @@ class FanotifyRecorder:
         prov.overflow = self.overflow
         prov.complete = self.complete and not self.overflow
         return prov
+
+
+@functools.lru_cache(maxsize=1)
+def _host_fs() -> tuple[str, bytes]:
+    """``major:minor`` (as ``mountinfo`` writes it) and fsid of the host's root file system."""
+    dev = os.stat("/").st_dev
+    return f"{os.major(dev)}:{os.minor(dev)}", struct.pack("=Q", os.statvfs("/").f_fsid)
+
+
+@functools.lru_cache(maxsize=16)
+def _with_loaders(programs: tuple[str, ...]) -> tuple[str, ...]:
+    """``programs`` and the dynamic loaders they name, one path per file (by device and inode)."""
+    files: dict[tuple[int, int], str] = {}
+    for program in programs:
+        loader = elf_interpreter(program)
+        for path in (program, loader) if loader else (program,):
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                files.setdefault((st.st_dev, st.st_ino), os.path.realpath(path))
+    return tuple(files.values())
 
 
 def _read_queue(group: int) -> bytes | None:
