@@ -320,6 +320,43 @@ def test_the_wrappers_programs_are_held_again_once_the_command_runs(sandbox, wor
     assert len(record(sandbox, "true", workspace).processes) == 1  # bash alone, no wrapper
 
 
+@needs_fanotify
+def test_the_limits_hold_without_a_prlimit_program_in_the_sandbox(workspace):
+    """With fanotify the limits are set on the sandbox's first process while it waits on the
+    block pipe: the command and its children have them, and no prlimit runs."""
+    sandbox = BwrapSandbox(
+        SandboxConfig(
+            backend="bwrap",
+            provenance=True,
+            provenance_mechanism="fanotify",
+            cpu_seconds=7,
+            memory_bytes=300 << 20,
+            max_file_bytes=5 << 20,
+            max_processes=40,
+        )
+    )
+    result = sandbox.run("ulimit -t -v -f -n -c -u; bash -c 'ulimit -v'", workspace)
+    values = [line.split()[-1] for line in result.stdout.splitlines()]
+    assert values == ["7", str(300 << 10), str(5 << 10), "1024", "0", "40", str(300 << 10)]
+    assert not any("prlimit" in " ".join(p) for p in result.provenance.processes)
+    hog = sandbox.run(["python3", "-c", "b = bytearray(1 << 30)"], workspace)
+    assert "MemoryError" in hog.stderr
+
+
+@needs_fanotify
+def test_a_command_whose_limits_cannot_be_set_does_not_run(sandbox, workspace, monkeypatch):
+    def refuse(*args):
+        raise PermissionError(1, "prlimit refused")
+
+    monkeypatch.setattr(recorder.resource, "prlimit", refuse)
+    workspace.chmod(0o777)  # writable by the sandbox's uid even once the call has returned
+    result = sandbox.run("touch ran", workspace)
+    time.sleep(0.5)  # a command let loose would have run by now
+    assert result.exit_code != 0 and not (workspace / "ran").exists()
+    monkeypatch.undo()
+    assert sandbox.run("touch ran", workspace).ok and (workspace / "ran").exists()
+
+
 def test_an_overflowed_record_says_so_in_its_summary_and_merge():
     lost = Provenance(read=["a"], overflow=True, complete=False)
     assert "events lost" in lost.summary()

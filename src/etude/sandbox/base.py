@@ -279,18 +279,27 @@ def prlimit_argv(cfg: SandboxConfig, nproc: int | None) -> list[str]:
     return argv + ["--"]
 
 
+def rlimits(cfg: SandboxConfig, nproc: int | None) -> list[tuple[int, tuple[int, int]]]:
+    """The limits of ``prlimit_argv`` as ``(resource, (soft, hard))`` pairs."""
+    limits = [
+        (resource.RLIMIT_CPU, (cfg.cpu_seconds, cfg.cpu_seconds + 1)),
+        (resource.RLIMIT_AS, (cfg.memory_bytes, cfg.memory_bytes)),
+        (resource.RLIMIT_FSIZE, (cfg.max_file_bytes, cfg.max_file_bytes)),
+        (resource.RLIMIT_NOFILE, (cfg.max_open_files, cfg.max_open_files)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+    if nproc is not None:
+        limits.append((resource.RLIMIT_NPROC, (nproc, nproc)))
+    return limits
+
+
 def apply_rlimits(cfg: SandboxConfig, nproc: int | None) -> None:
     """Set the same limits as ``prlimit_argv`` from a preexec function (where prlimit is missing).
 
     Only setrlimit calls between fork and exec, as a preexec function must.
     """
-    resource.setrlimit(resource.RLIMIT_CPU, (cfg.cpu_seconds, cfg.cpu_seconds + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (cfg.memory_bytes, cfg.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (cfg.max_file_bytes, cfg.max_file_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg.max_open_files, cfg.max_open_files))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if nproc is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    for which, limit in rlimits(cfg, nproc):
+        resource.setrlimit(which, limit)
 
 
 def python_bin_dir() -> str:

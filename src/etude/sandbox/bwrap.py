@@ -74,6 +74,7 @@ from etude.sandbox.base import (
     python_bin_dir,
     resolve_timeout,
     resolve_workspace,
+    rlimits,
     sandbox_env,
     shell_argv,
 )
@@ -326,12 +327,15 @@ class BwrapSandbox:
         *,
         seccomp_fd: int | None = None,
         bwrap_extra: Sequence[str] = (),
+        limits: bool = True,
     ) -> list[str]:
         """The full bwrap argv for ``argv`` in workspace ``ws`` (as ``uid`` when given).
 
         ``seccomp_fd``: a descriptor the bwrap process inherits holding ``seccomp.filter_program``
         (io_uring refused); None leaves it out (only for callers that do not run the argv).
         ``bwrap_extra``: more bwrap options (the fanotify recorder's ``--info-fd``/``--block-fd``).
+        ``limits=False`` leaves ``prlimit`` out: the caller sets the limits on the sandbox's first
+        process itself (the fanotify recorder, while ``bwrap`` waits on its block pipe).
         """
         args = [*self._static_args, *self._mkdirs_for(str(ws), set(self._dirs_made))]
         args += ["--bind", str(ws), str(ws), *self._masks(ws), "--chdir", str(ws)]
@@ -348,6 +352,8 @@ class BwrapSandbox:
                 "--bounding-set=-all",
                 "--",
             ]
+        if not limits:
+            return args + argv
         return args + prlimit_argv(self.config, self.config.max_processes) + argv
 
     def close(self) -> None:
@@ -392,8 +398,9 @@ class BwrapSandbox:
 
             def run_as(uid: int | None) -> Result:
                 if self._fanotify is not None:
+                    # the recorder sets the limits itself: no prlimit in the sandbox
                     return self._run_recorded(
-                        run, argv, ws, uid, filter_fd, wrapper_execs, timeout_s, run_env["PATH"]
+                        run, argv, ws, uid, filter_fd, wrapper_execs - 1, timeout_s, run_env["PATH"]
                     )
                 full = self.command(argv, ws, uid, seccomp_fd=seccomp_at)
                 if self._tracer is None:
@@ -418,13 +425,13 @@ class BwrapSandbox:
             os.close(filter_fd)
 
     def _wrapper_programs(self, argv: list[str], uid: int | None, path: str) -> list[str]:
-        """The wrappers' programs (``setpriv`` as root, ``prlimit``) as ``bwrap`` and the
-        wrappers find them on ``path``, for the recorder to leave their starts unheld: only for
-        a shell command (its program, ``bash`` or ``sh``, is neither a wrapper nor a loader)
-        and where they resolve under ``/usr`` (the same files inside the sandbox); else none."""
+        """The wrappers' programs (``setpriv`` as root) as ``bwrap`` finds them on ``path``, for
+        the recorder to leave their starts unheld: only for a shell command (its program,
+        ``bash`` or ``sh``, is neither a wrapper nor a loader) and where they resolve under
+        ``/usr`` (the same files inside the sandbox); else none."""
         if argv[0] not in ("/bin/bash", "/bin/sh"):
             return []
-        found = [shutil.which(name, path=path) for name in ("setpriv", "prlimit")[uid is None :]]
+        found = [shutil.which("setpriv", path=path)] if uid is not None else []
         if not all(p and os.path.realpath(p).startswith("/usr/") for p in found):
             return []
         return [p for p in found if p]
@@ -453,9 +460,12 @@ class BwrapSandbox:
                 host_roots=[(self._etc, "/etc")],
                 timeout_s=timeout_s,
                 wrapper_programs=self._wrapper_programs(argv, uid, path),
+                limits=rlimits(self.config, self.config.max_processes),
             )
             gate = recorder.bwrap_args()
-            full = self.command(argv, ws, uid, seccomp_fd=seccomp_fd, bwrap_extra=gate)
+            full = self.command(
+                argv, ws, uid, seccomp_fd=seccomp_fd, bwrap_extra=gate, limits=False
+            )
             try:
                 spawner = recorder.spawner(popen_spawner())
                 result = run(full, spawner=spawner, watch=recorder.watches())

@@ -77,6 +77,8 @@ import json
 import os
 import posixpath
 import re
+import resource
+import signal
 import stat
 import struct
 import threading
@@ -189,6 +191,9 @@ class FanotifyRecorder:
     command). Their files are then ignored by group B until the first program start it holds,
     which is the command's own: the wrappers' starts are not held at all (four holds, two
     program starts, per command), and from the command on every program is held again.
+    ``limits``: ``(resource, (soft, hard))`` set on the sandbox's first process while it waits
+    on the block pipe (``prlimit(2)``; every process of the command inherits them), in place of
+    a ``prlimit`` program in the sandbox; if they cannot be set, the command does not run.
     """
 
     def __init__(
@@ -201,6 +206,7 @@ class FanotifyRecorder:
         host_roots: Sequence[tuple[str, str]] = (),
         timeout_s: float = BLOCK_TIMEOUT_S,
         wrapper_programs: Sequence[str] = (),
+        limits: Sequence[tuple[int, tuple[int, int]]] = (),
     ) -> None:
         self.group_a, self.group_b, self.group_c = groups
         self.workspace = workspace.rstrip("/")
@@ -225,6 +231,7 @@ class FanotifyRecorder:
         self._command_started = False
         self._timeout_s = timeout_s
         self._wrapper_files = _with_loaders(tuple(wrapper_programs))
+        self._limits = list(limits)
         self._ignoring: list[str] = []  # files group B ignores until the command's first start
         self._pending: dict[int, tuple[bytes, int]] = {}  # group -> a read and where to go on
         # (device, inode) of files the command linked in the workspace -> the names it made
@@ -306,11 +313,20 @@ class FanotifyRecorder:
                 self._mark_workspace()
                 self._ignore_wrappers()
                 child = self._wait_blocked(leader)
-                if child is not None:
-                    self._bwrap_pid = child
-                    self._mark_mounts(child)
-                else:
+                if child is None:
+                    # bwrap ended, or has not built the sandbox in time: no command without
+                    # its limits and marks
                     self.complete = False
+                    _kill(leader)
+                else:
+                    self._bwrap_pid = child
+                    for which, limit in self._limits:
+                        resource.prlimit(child, which, limit)
+                    self._mark_mounts(child)
+            except BaseException:
+                _kill(leader)  # the command must not run unlimited or unwatched
+                leader.reap()
+                raise
             finally:
                 with contextlib.suppress(OSError):
                     os.write(gate.block_w, b"x")
@@ -801,6 +817,11 @@ class FanotifyRecorder:
         prov.overflow = self.overflow
         prov.complete = self.complete and not self.overflow
         return prov
+
+
+def _kill(leader: Leader) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader.pid, signal.SIGKILL)
 
 
 @functools.lru_cache(maxsize=1)
