@@ -461,6 +461,7 @@ class BwrapSandbox:
                 timeout_s=timeout_s,
                 wrapper_programs=self._wrapper_programs(argv, uid, path),
                 limits=rlimits(self.config, self.config.max_processes),
+                dir_cache=groups.dirs,
             )
             gate = recorder.bwrap_args()
             full = self.command(

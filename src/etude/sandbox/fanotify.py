@@ -16,6 +16,7 @@ import errno
 import functools
 import os
 import platform
+import queue
 import struct
 import threading
 import time
@@ -172,6 +173,10 @@ class FanotifyGroups:
         self.lock = threading.Lock()
         """Held for each command: the queues are the sandbox's, so its commands run one at a
         time (as on one strace tracer)."""
+        self.dirs: dict[bytes, str] = {}
+        """Paths of directories outside the workspace on the host's file system (the runtime's
+        read-only binds), by handle, as earlier commands resolved them: the same in every
+        command of the sandbox."""
 
     def get(self) -> tuple[int, int, int]:
         """Groups A, B and C (``etude.sandbox.recorder``), made on first use and after a fork
@@ -249,16 +254,33 @@ def _close_all(fds: Iterable[int]) -> None:
             os.close(fd)
 
 
+_closer: tuple[int, queue.SimpleQueue[tuple[int, ...]]] | None = None  # (owner pid, its queue)
+_closer_lock = threading.Lock()
+
+
 def close_later(fds: Iterable[int]) -> None:
-    """Close descriptors from a thread of its own: a fanotify group's close waits for the
-    kernel to free its marks, a mount's last one unmounts it."""
+    """Close descriptors on a thread of their own (one for the process, started on first use):
+    a fanotify group's close waits for the kernel to free its marks, a mount's last one
+    unmounts it; neither should hold up a command."""
+    global _closer
     fds = tuple(fds)
     if not fds:
         return
-    try:
-        threading.Thread(target=_close_all, args=(fds,), daemon=True).start()
-    except RuntimeError:  # the interpreter is shutting down: no new threads
-        _close_all(fds)
+    with _closer_lock:
+        if _closer is None or _closer[0] != os.getpid():  # none yet, or a fork's copy
+            todo: queue.SimpleQueue[tuple[int, ...]] = queue.SimpleQueue()
+            try:
+                threading.Thread(target=_close_queued, args=(todo,), daemon=True).start()
+            except RuntimeError:  # the interpreter is shutting down: no new threads
+                _close_all(fds)
+                return
+            _closer = (os.getpid(), todo)
+        _closer[1].put(fds)
+
+
+def _close_queued(todo: queue.SimpleQueue[tuple[int, ...]]) -> None:
+    while True:
+        _close_all(todo.get())
 
 
 def exec_call(pid: int) -> tuple[int, ...] | None:

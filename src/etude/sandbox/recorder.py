@@ -154,7 +154,7 @@ _setup_s = 0.0
 """How long ``bwrap`` lately took from its info line to the block pipe (a running mean)."""
 MAX_DIRS = 20_000
 """Workspace directories marked per command; past it the record is incomplete."""
-_U16, _U32 = struct.Struct("=H"), struct.Struct("=I")
+_NAME_INFO = struct.Struct("=2xH8xI")  # an information record's size and its handle's size
 
 
 class _Gate:
@@ -207,6 +207,7 @@ class FanotifyRecorder:
         timeout_s: float = BLOCK_TIMEOUT_S,
         wrapper_programs: Sequence[str] = (),
         limits: Sequence[tuple[int, tuple[int, int]]] = (),
+        dir_cache: dict[bytes, str] | None = None,
     ) -> None:
         self.group_a, self.group_b, self.group_c = groups
         self.workspace = workspace.rstrip("/")
@@ -220,7 +221,10 @@ class FanotifyRecorder:
         self.host_roots = [(h.rstrip("/"), s.rstrip("/")) for h, s in host_roots]
         self.gate = _Gate()
         self._block_fd = self.gate.block_r  # its number in bwrap too (passed at the same number)
-        self._dirs: dict[bytes, str] = {}  # fsid + handle of a directory -> its path
+        # fsid + handle of a directory -> its path; those of the runtime's read-only binds are
+        # kept by the sandbox from command to command (``dir_cache``)
+        self._dir_cache = dir_cache if dir_cache is not None else {}
+        self._dirs: dict[bytes, str] = dict(self._dir_cache)
         self._mount_fds: dict[bytes, int] = {}  # fsid -> a directory on that file system
         # (directory, name) -> union of the event bits seen on that entry
         self._flags: dict[tuple[str, bytes], int] = {}
@@ -357,7 +361,7 @@ class FanotifyRecorder:
         try:
             # bwrap takes a few ms to build the mounts: sleep most of the time it took lately,
             # then look every 50 us (each look is a few us of CPU the 2 cores could use)
-            time.sleep(0.7 * _setup_s)
+            time.sleep(0.8 * _setup_s)
             while time.monotonic() < deadline:
                 if os.pread(fd, 64, 0).startswith(blocked):
                     _setup_s = min(0.5 * _setup_s + 0.5 * (time.monotonic() - start), 0.05)
@@ -615,30 +619,36 @@ class FanotifyRecorder:
             return False
         buf = read[0]
         flags, dirs, skip = self._flags, self._dirs, (self._bwrap_pid, self._own_pid)
+        unverified, num = self._unverified, 0
+        wrappers = self._a_execs < self.wrapper_execs  # still in the wrappers' events
         for mask, _, pid, at, end in self._events(self.group_a, *read):
             if pid in skip:
                 continue  # bwrap's first process, and this one's look at the mounts
-            self.num_events += 1
-            if pid in self._unverified:
+            num += 1
+            if pid in unverified:
                 self._verify_exec(pid, mask)
             if mask & DIRENT_EVENTS or buf[at] != INFO_DFID_NAME:
                 names, child = info_records(buf, at, end)
                 name = names.get(INFO_DFID_NAME, (b"", b""))[1]
                 if not self._wrapper_event(pid, mask, name):
                     self._event(mask, names, child)
+                wrappers = self._a_execs < self.wrapper_execs
                 continue
             # the common case, an open, read, write or close of an entry of a directory:
             # DFID_NAME first (struct fanotify_event_info_fid: header, fsid, file_handle, name)
-            size = _U16.unpack_from(buf, at + 2)[0]
-            hsize = _U32.unpack_from(buf, at + 12)[0]
+            size, hsize = _NAME_INFO.unpack_from(buf, at)
             name = buf[at + 20 + hsize : at + size].split(b"\0", 1)[0]
-            if self._a_execs < self.wrapper_execs and self._wrapper_event(pid, mask, name):
-                continue
+            if wrappers:
+                skipped = self._wrapper_event(pid, mask, name)
+                wrappers = self._a_execs < self.wrapper_execs
+                if skipped:
+                    continue
             handle = buf[at + 4 : at + 12] + buf[at + 16 : at + 20 + hsize]
             base = dirs.get(handle) or self._resolve(handle)
             if base is not None:
                 key = (base, name)
                 flags[key] = flags.get(key, 0) | mask
+        self.num_events += num
         return True
 
     def _wrapper_event(self, pid: int, mask: int, name: bytes) -> bool:
@@ -702,6 +712,12 @@ class FanotifyRecorder:
         # a host file system opens at its host path (the binds keep their paths but /etc's);
         # one of the sandbox alone (its /tmp) at the path the sandbox sees
         self._dirs[handle] = path = self._sandbox_path(path)
+        if (
+            handle[:8] == _host_fs()[1]
+            and not (path == self.workspace or path.startswith(self.workspace + "/"))
+            and len(self._dir_cache) < MAX_DIRS
+        ):
+            self._dir_cache[handle] = path  # a read-only bind's: the same in the next command
         return path
 
     def _sandbox_path(self, path: str) -> str:

@@ -236,13 +236,16 @@ def _serve(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> 
             else:
                 wait = limit - now if pidfd is not None or exited else min(limit - now, 0.005)
             ready = sel.select(wait)
+            leader_done = pidfd is None  # without a pidfd the leader is polled every turn
             with tree.lock:
                 if tree.abandoned:
                     return
                 for key, _ in ready:
                     if key.data is not None:
                         busy[key.data] = None
-                    elif key.fd != pidfd:
+                    elif key.fd == pidfd:
+                        leader_done = True
+                    else:
                         data = os.read(key.fd, READ_CHUNK)
                         if data:
                             streams[key.fd].feed(data)
@@ -255,7 +258,7 @@ def _serve(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> 
             with tree.lock:
                 if tree.abandoned:
                     return
-                if not exited and leader.exited():
+                if not exited and leader_done and leader.exited():
                     exited = True
                     if pidfd is not None:
                         sel.unregister(pidfd)
