@@ -12,7 +12,9 @@ groups; the kernel interface is ``etude.sandbox.fanotify``):
 
 1. ``bwrap`` starts with ``--info-fd`` (it writes the sandbox's first pid) and ``--block-fd``
    (after building the sandbox's mounts it waits to read a byte before it runs anything of the
-   command). This process waits until that pid is blocked in that read (``/proc/PID/syscall``).
+   command). This process waits until that pid is blocked in that read (``/proc/PID/syscall``),
+   and sets the command's limits on it (``prlimit(2)``, inherited by every process of the
+   command: no ``prlimit`` program in the sandbox).
 2. Marks go on every mount of the sandbox, reached through ``/proc/PID/root``: the sandbox's own
    mounts (binds and tmpfs made by ``bwrap`` in its mount namespace), so an event on them is the
    sandbox's and no other process's. Group A (notification class, file handles and names:
@@ -189,8 +191,10 @@ class FanotifyRecorder:
     ``wrapper_programs``: the wrappers' programs (host paths, as ``bwrap`` and the wrappers find
     them), given when none of them, nor their loader, can be the command's program (a shell
     command). Their files are then ignored by group B until the first program start it holds,
-    which is the command's own: the wrappers' starts are not held at all (four holds, two
-    program starts, per command), and from the command on every program is held again.
+    which is the command's own: the wrappers' starts are not held at all (``setpriv``: two
+    holds per command), and from the command on every program is held again.
+    ``dir_cache``: the sandbox's paths of directories on its read-only binds, by handle, kept
+    from command to command.
     ``limits``: ``(resource, (soft, hard))`` set on the sandbox's first process while it waits
     on the block pipe (``prlimit(2)``; every process of the command inherits them), in place of
     a ``prlimit`` program in the sandbox; if they cannot be set, the command does not run.
