@@ -4,8 +4,8 @@ Run: ``nice .venv/bin/python benchmarks/warm_start.py --tasks-from runs/learning
 benchmarks/results/warm_start.json). Per variant and seed (``--variants``, ``--seeds``): the demo
 recipe's SFT stage (``configs/demo.toml``, ``sft.train.seed`` = the seed) with the variant's
 overrides, then the demo's evaluation of the warm start (`etude.demo.evaluate_policy`:
-``demo.eval_group_size`` rollouts per task, no hints, the same sampling seeds for every policy,
-on the training tasks). ``--tasks-from RUN`` reuses ``RUN/tasks`` (the tasks of a
+``--eval-group-size`` rollouts per task, default the recipe's ``demo.eval_group_size``; no
+hints, the same sampling seeds for every policy, on the training tasks). ``--tasks-from RUN`` reuses ``RUN/tasks`` (the tasks of a
 ``benchmarks/learning.py`` run, so the figures compare with its); without it the demo's tasks
 stage runs once into ``--run-dir``. Each (variant, seed) lives in ``RUN_DIR/VARIANT_sSEED`` and
 is resumable: a finished SFT or evaluation is read back, not redone, so one process per part
@@ -61,10 +61,12 @@ def pool_tokens(sft: SFTRecipe) -> float:
     return sum(len(e.ids) for e in examples) / len(examples)
 
 
-def measure(recipe_path: str, run: Path, tasks_from: Path | None, overrides: list[str]) -> dict:
+def measure(
+    recipe_path: str, run: Path, tasks_from: Path | None, overrides: list[str], group: int
+) -> dict:
     recipe = load_demo_recipe(recipe_path, [f'demo.run_dir="{run}"', *overrides])
     sft, rl = stage_recipes(recipe)
-    group = recipe.demo.eval_group_size
+    group = group or recipe.demo.eval_group_size
     if not (run / "tasks" / "tasks.jsonl").is_file():
         if tasks_from is None:
             from etude.demo import run_tasks_stage
@@ -104,6 +106,7 @@ def main() -> None:
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "warm_start"))
     ap.add_argument("--tasks-from", default="", help="a run dir whose tasks/ to reuse")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--eval-group-size", type=int, default=0, help="0: the recipe's")
     ap.add_argument("--variants", nargs="+", default=["demo", "recovery"], choices=list(VARIANTS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "warm_start.json"))
     args = ap.parse_args()
@@ -114,7 +117,9 @@ def main() -> None:
         for seed in args.seeds:
             run = Path(args.run_dir) / f"{name}_s{seed}"
             overrides = [*VARIANTS[name], f"sft.train.seed={seed}"]
-            results.setdefault(name, {})[seed] = measure(args.recipe, run, tasks_from, overrides)
+            results.setdefault(name, {})[seed] = measure(
+                args.recipe, run, tasks_from, overrides, args.eval_group_size
+            )
 
     print(
         "| variant | seed | pass@1 [95%] | malformed / turn | valid after malformed "
