@@ -244,3 +244,17 @@ def test_a_missing_pristine_tree_is_infra_and_reward_none(tmp_path: Path) -> Non
     outcome = grade(tmp_path / "nowhere", agent, ["calc/"], IDS)
     assert outcome.status == "infra" and "not a directory" in outcome.reason
     assert reward_of(outcome) is None
+
+
+def test_the_run_ends_at_a_tampering_profile_hook(tmp_path: Path) -> None:
+    """The first profile or trace function installed from the agent's files ends the run at the
+    call: the hook it installs never runs a test (and a suite under a profile hook, 3x slower,
+    is not run to no purpose)."""
+    task, pristine, agent = task_and_agent_tree(tmp_path)
+    init = agent / "calc" / "__init__.py"
+    init.write_text(init.read_text() + "\nimport sys\n\nsys.setprofile(lambda *a: None)\n")
+    g = task_grading(task, pristine)
+    outcome = grade(pristine, agent, g.allowed, g.test_ids, g.test_env, g.pytest_args, timeout=60)
+    assert outcome.status == "error", outcome.reason
+    assert outcome.reason.startswith("tampering: sys.setprofile called from"), outcome.reason
+    assert outcome.outcomes == {}, outcome.outcomes  # no test ran after the call

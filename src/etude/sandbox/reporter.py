@@ -233,6 +233,10 @@ def _grade_main():
         if _untrusted(path) and event not in _seen_tamper:
             _seen_tamper.add(event)
             _emit({"e": "tamper", "what": event + " called from " + path, "where": "run"})
+            # the grade is decided (tampering is an error whatever the tests do): end the run
+            # here, before the hook gets to run anything (under a profile function every call
+            # costs a Python call: a suite ran 3x slower to no purpose)
+            _exit(3)
     sys.addaudithook(_audit)
     try:
         _ret = int(pytest.main(cfg["args"], plugins=[_Reporter()]))
