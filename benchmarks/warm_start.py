@@ -11,12 +11,14 @@ stage runs once into ``--run-dir``. Each (variant, seed) lives in ``RUN_DIR/VARI
 is resumable: a finished SFT or evaluation is read back, not redone, so one process per part
 can share the cores and a last run with every part prints the table.
 
-Variants (`VARIANTS`): ``demo`` (the recipe as committed), ``recovery`` (the oracle also writes
-malformed calls, at ``mistake_rate`` 0.5 beside the unknown-tool calls, taught as recovery:
-``sft.data.recovery_mistakes``), ``recovery_r25`` (the same at the recipe's rate 0.25, so half
-as many unknown-tool mistakes). Both recovery variants leave out hint-following examples for the
-malformed calls (``sft.feedback.detectors = ["unknown_tool"]``), so that they add no examples to
-the pool, only the recovery turns inside the episodes.
+Variants (`VARIANTS`): ``unknown_only`` (the recipe before recovery examples: the oracle's
+mistakes are unknown-tool calls at ``mistake_rate`` 0.25, imitated), ``demo`` (the committed
+recipe: unknown-tool or malformed calls at 0.25 with equal odds, the malformed ones taught as
+recovery, ``sft.data.recovery_mistakes``), ``recovery_r50`` (the same at 0.5: as many
+unknown-tool mistakes as ``unknown_only`` plus as many malformed ones), ``unknown_r125`` (the
+control: unknown-tool mistakes only at 0.125, as many as ``demo`` has, no malformed calls). No
+variant has hint-following examples for malformed calls (``sft.feedback.detectors =
+["unknown_tool"]``). Ratios are against ``unknown_only``.
 
 Measured per policy: pass@1 (95% Wilson interval), malformed calls per assistant turn,
 ``valid_after_malformed`` (of the turns right after a malformed call, the fraction that make a
@@ -40,15 +42,17 @@ from etude.report.metrics import write_json_atomic
 from etude.rl.sft import SFTRecipe, oracle_examples, run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
-_RECOVERY = [
-    'sft.data.mistakes=["unknown_tool","malformed_json"]',
-    'sft.data.recovery_mistakes=["malformed_json"]',
-    'sft.feedback.detectors=["unknown_tool"]',
-]
+_UNKNOWN_ONLY = ['sft.data.mistakes=["unknown_tool"]', "sft.data.recovery_mistakes=[]"]
+BASELINE = "unknown_only"
 VARIANTS = {
+    # the recipe before recovery examples: unknown-tool mistakes only (the malformed_call,
+    # test_edit and submit_untested detectors it listed made no examples without those mistakes)
+    BASELINE: [*_UNKNOWN_ONLY, 'sft.feedback.detectors=["unknown_tool"]'],
+    # the committed recipe: unknown-tool and malformed calls at the rate 0.25, recovery for the latter
     "demo": [],
-    "recovery": [*_RECOVERY, "sft.data.mistake_rate=0.5"],
-    "recovery_r25": [*_RECOVERY, "sft.data.mistake_rate=0.25"],
+    "recovery_r50": ["sft.data.mistake_rate=0.5"],
+    # the control: as many unknown-tool mistakes as "demo" has, no malformed calls
+    "unknown_r125": [*_UNKNOWN_ONLY, "sft.data.mistake_rate=0.125"],
 }
 
 
@@ -107,7 +111,7 @@ def main() -> None:
     ap.add_argument("--tasks-from", default="", help="a run dir whose tasks/ to reuse")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--eval-group-size", type=int, default=0, help="0: the recipe's")
-    ap.add_argument("--variants", nargs="+", default=["demo", "recovery"], choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=[BASELINE, "demo"], choices=list(VARIANTS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "warm_start.json"))
     args = ap.parse_args()
     tasks_from = Path(args.tasks_from) if args.tasks_from else None
@@ -127,7 +131,7 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     out: dict[str, float | int | str] = {"seeds": " ".join(map(str, args.seeds))}
-    base = results.get("demo")
+    base = results.get(BASELINE)
     for name, per_seed in results.items():
         for seed, m in per_seed.items():
             print(
@@ -161,11 +165,11 @@ def main() -> None:
             m["valid_after_malformed"] * m["turns_after_malformed"] for m in per_seed.values()
         )
         out[f"{name}_valid_after_malformed_pooled"] = valid / max(after, 1)
-        if base is not None and name != "demo" and set(base) == set(per_seed):
-            out[f"{name}_vs_demo_pass_at_1_every_seed_higher"] = all(
+        if base is not None and name != BASELINE and set(base) == set(per_seed):
+            out[f"{name}_vs_{BASELINE}_pass_at_1_every_seed_higher"] = all(
                 per_seed[s]["pass_at_1"] > base[s]["pass_at_1"] for s in per_seed
             )
-            out[f"{name}_vs_demo_tokens_per_example_ratio"] = sum(
+            out[f"{name}_vs_{BASELINE}_tokens_per_example_ratio"] = sum(
                 per_seed[s]["pool_tokens_per_example"] for s in per_seed
             ) / sum(base[s]["pool_tokens_per_example"] for s in per_seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
