@@ -6,6 +6,7 @@ grade says ``infra`` (reward None), never 0."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -258,3 +259,27 @@ def test_the_run_ends_at_a_tampering_profile_hook(tmp_path: Path) -> None:
     assert outcome.status == "error", outcome.reason
     assert outcome.reason.startswith("tampering: sys.setprofile called from"), outcome.reason
     assert outcome.outcomes == {}, outcome.outcomes  # no test ran after the call
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling_link", "link_loop", "dir_named_py"])
+def test_the_agent_cannot_turn_its_grade_into_infra(kind: str, tmp_path: Path) -> None:
+    """An infra grade is masked, never a 0: a final tree that could make the grader's copy fail
+    would let a failing agent escape its zero. Odd files under the package are graded as the
+    solution they are (the package's own module gone, a failing grade), never as infra."""
+    task, pristine, agent = task_and_agent_tree(tmp_path)
+    target = agent / "calc" / "ops.py"
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "dangling_link":
+        target.symlink_to(agent / "nowhere.py")
+    elif kind == "link_loop":
+        target.symlink_to(target)
+    else:
+        target.mkdir()
+        (target / "__init__.py").write_text("")
+    result = compute_reward(task, agent, original=pristine, timeout=60)
+    assert result.status in ("failed", "error") and result.reward == 0.0, (
+        result.status,
+        result.reason,
+    )
