@@ -93,3 +93,72 @@ def test_a_callback_waiting_on_the_command_is_freed_by_the_watchdog(tmp_path):
     assert returned.is_set()
     assert result.timed_out and result.exit_code == 128 + signal.SIGKILL
     assert elapsed < RETURNS_BY_S, elapsed
+
+
+def run_for(tmp_path: Path, seconds: float, watch):
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    return run_process_tree(
+        ["sleep", str(seconds)],
+        cwd=tmp_path,
+        env=env,
+        stdin=None,
+        timeout_s=30,
+        max_output_bytes=1024,
+        watch=watch,
+    )
+
+
+def test_watches_are_served_in_the_order_given(tmp_path):
+    """Held program starts (the recorder's first watch) must not wait behind a slice of another
+    queue: of two descriptors readable at once, the first given is served first."""
+    pipes = [os.pipe(), os.pipe()]
+    for _, w in pipes:
+        os.write(w, b"x")
+    order: list[int] = []
+
+    def reader(num: int, fd: int):
+        def serve() -> bool:
+            os.read(fd, 1)
+            order.append(num)
+            return False
+
+        return serve
+
+    try:
+        # given second-first on purpose: the order comes from the list, not the descriptors
+        run_for(
+            tmp_path,
+            0.2,
+            [(pipes[1][0], reader(1, pipes[1][0])), (pipes[0][0], reader(0, pipes[0][0]))],
+        )
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+    assert order == [1, 0]
+
+
+def test_a_deferrable_watch_is_served_at_most_once_per_period(tmp_path):
+    """A queue whose events may wait (``(fd, serve, every_s)``: the recorder's group A) is read
+    in batches: a descriptor that stays readable the whole run is served at most once per
+    period (an upper bound that a loaded machine only lowers), and at least once."""
+    r, w = os.pipe()
+    os.write(w, b"x" * 4096)  # readable for the whole run: each call takes one byte
+    calls: list[float] = []
+
+    def serve() -> bool:
+        os.read(r, 1)
+        calls.append(time.monotonic())
+        return False
+
+    period, run_s = 0.1, 0.5
+    try:
+        start = time.monotonic()
+        run_for(tmp_path, run_s, [(r, serve, period)])
+        elapsed = time.monotonic() - start
+    finally:
+        os.close(r)
+        os.close(w)
+    assert 1 <= len(calls) <= elapsed / period + 1, (len(calls), elapsed)
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert all(gap >= period * 0.99 for gap in gaps), gaps

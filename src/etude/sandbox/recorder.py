@@ -28,8 +28,9 @@ groups; the kernel interface is ``etude.sandbox.fanotify``):
    events: group C (notification class, a descriptor per event) gets the opens under
    ``/proc``, whose path is read from the descriptor the kernel reopens for the reader.
 3. The byte is written: the command runs. ``run_process_tree`` serves the queues while it
-   waits (``watches``), a slice of ``MAX_EVENTS_PER_CALL`` events or ``SLICE_S`` per call so
-   that the runner keeps its deadline under a flood: each event's directory handle becomes a
+   waits (``watches``): held program starts first, group A at most every ``A_EVERY_S`` (in
+   batches), a slice of ``MAX_EVENTS_PER_CALL`` events or ``SLICE_S`` per call so that the
+   runner keeps its deadline under a flood: each event's directory handle becomes a
    path as it arrives (a cache kept right through renames of workspace directories) and the
    event is sorted into the record.
 4. After ``bwrap`` exited (the kernel emptied the PID namespace first, so every process of the
@@ -145,6 +146,11 @@ SLICE_S = 0.02
 """One call of a queue's reader handles at most ``MAX_EVENTS_PER_CALL`` events and about
 ``SLICE_S`` seconds of them; the rest of its read waits for the next call, after the runner has
 looked at the clock (a flood cannot keep the loop from the command's deadline)."""
+A_EVERY_S = 0.002
+"""Group A is read at most this often while the command runs: its events wait in the kernel's
+queue and come in batches (a read per few events cost more than the events), while held program
+starts (group B) and ``/proc`` opens (group C, whose files must still be open to be reopened)
+are served as they come, first in each turn."""
 DRAIN_BUDGET_S = 3.0
 """How long ``finish`` may read what is left in the queues after the command; past it the record
 is incomplete (a flood that outran the reader, not a command that did less)."""
@@ -454,8 +460,8 @@ class FanotifyRecorder:
         per call (``MAX_EVENTS_PER_CALL``, ``SLICE_S``)."""
         return [
             (self.group_b, functools.partial(self._serve, self._read_b, self.group_b)),
-            (self.group_a, functools.partial(self._serve, self._read_a, self.group_a)),
             (self.group_c, functools.partial(self._serve, self._read_c, self.group_c)),
+            (self.group_a, functools.partial(self._serve, self._read_a, self.group_a), A_EVERY_S),
         ]
 
     def _serve(self, read: Callable[[], bool], group: int) -> bool:

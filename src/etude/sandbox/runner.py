@@ -51,6 +51,10 @@ READ_CHUNK = 1 << 16
 Watch = Callable[[], object]
 """A callback for a readable descriptor: one bounded slice of work; a true return says it has
 more to do without waiting for the descriptor (it is called again after the clock is checked)."""
+Watched = tuple[int, Watch] | tuple[int, Watch, float]
+"""``(descriptor, callback)``, or ``(descriptor, callback, every_s)``: a descriptor whose events
+may wait, served at most once per ``every_s`` (what it queued meanwhile is read in one go).
+Callbacks are called in the order given, the first ones first in each turn of the loop."""
 
 
 class _CappedStream:
@@ -200,15 +204,25 @@ class _Tree:
             self.returncode = self.leader.reap()
 
 
-def _serve(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> None:
+def _serve(tree: _Tree, deadline: float, watch: Sequence[Watched]) -> None:
     """The loop: pipes, the leader's exit, the deadline and the ``watch`` callbacks, until the
     leader is reaped (or the watchdog abandoned the loop). Owns and closes the descriptors."""
     streams, leader = tree.streams, tree.leader
     sel = selectors.DefaultSelector()
     for fd in streams:
         sel.register(fd, selectors.EVENT_READ)
-    for fd, serve in watch:
+    rank: dict[Watch, int] = {}  # callbacks in the order given: the first served first
+    every: dict[Watch, tuple[int, float]] = {}  # a deferrable one -> (descriptor, period)
+    for entry in watch:
+        fd, serve = entry[0], entry[1]
         sel.register(fd, selectors.EVENT_READ, serve)
+        rank[serve] = len(rank)
+        if len(entry) > 2 and entry[2] > 0:
+            every[serve] = (fd, entry[2])
+    # deferrable callbacks: when each was last served, and those whose descriptor is out of the
+    # selector until a time (readable, but served at most once per period)
+    served_at: dict[Watch, float] = {}
+    resting: dict[Watch, float] = {}
     # a pidfd turns "the leader exited" into a selectable event (Linux >= 5.3); else poll
     pidfd = os.pidfd_open(leader.pid) if hasattr(os, "pidfd_open") else None
     if pidfd is not None:
@@ -231,10 +245,16 @@ def _serve(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> 
                     _kill_group(leader.pid)
                 drain_until = now + DRAIN_GRACE_S
                 continue
+            for serve, due in list(resting.items()):
+                if now >= due:
+                    del resting[serve]
+                    sel.register(every[serve][0], selectors.EVENT_READ, serve)
             if busy:
                 wait = 0.0
             else:
                 wait = limit - now if pidfd is not None or exited else min(limit - now, 0.005)
+                if resting:
+                    wait = max(0.0, min(wait, min(resting.values()) - now))
             ready = sel.select(wait)
             leader_done = pidfd is None  # without a pidfd the leader is polled every turn
             with tree.lock:
@@ -242,6 +262,13 @@ def _serve(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> 
                     return
                 for key, _ in ready:
                     if key.data is not None:
+                        period = every.get(key.data)
+                        if period is not None and not exited:
+                            due = served_at.get(key.data, -period[1]) + period[1]
+                            if now < due:  # served lately: its events wait, the fd rests
+                                sel.unregister(key.fd)
+                                resting[key.data] = due
+                                continue
                         busy[key.data] = None
                     elif key.fd == pidfd:
                         leader_done = True
@@ -252,7 +279,10 @@ def _serve(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> 
                         else:
                             sel.unregister(key.fd)
                             open_fds.discard(key.fd)
-            for serve in list(busy):  # outside the lock: the watchdog must be able to take it
+            # outside the lock: the watchdog must be able to take it
+            for serve in sorted(busy, key=rank.__getitem__):
+                if serve in every:
+                    served_at[serve] = time.monotonic()
                 if not serve():
                     del busy[serve]
             with tree.lock:
@@ -283,7 +313,7 @@ def _serve(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> 
             os.close(fd)
 
 
-def _serve_in_thread(tree: _Tree, deadline: float, watch: Sequence[tuple[int, Watch]]) -> None:
+def _serve_in_thread(tree: _Tree, deadline: float, watch: Sequence[Watched]) -> None:
     try:
         _serve(tree, deadline, watch)
     except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
@@ -319,7 +349,7 @@ def run_process_tree(
     preexec_fn: Callable[[], None] | None = None,
     pass_fds: Sequence[int] = (),
     spawner: Spawner | None = None,
-    watch: Sequence[tuple[int, Watch]] = (),
+    watch: Sequence[Watched] = (),
 ) -> Result:
     """Run ``argv`` in a new session; kill its process group on the deadline and after it exits.
 
