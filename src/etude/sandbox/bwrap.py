@@ -30,7 +30,7 @@ process, so the strace provenance tracer would not see it. With ``provenance`` o
 ``strace`` mechanism, ``bwrap`` is started by the sandbox's tracer (``etude.sandbox.tracer``: one
 ``strace`` for the sandbox's life, started by its first command, stopped by ``close``) instead of
 from this process; with ``fanotify``, ``bwrap`` waits on ``--block-fd`` after building the
-sandbox until its mounts are marked (``etude.sandbox.recorder``).
+sandbox until its mounts are marked (``etude.sandbox.gate``).
 
 Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes, file
 size, open files, no core files). Root ignores RLIMIT_NPROC, also inside a user namespace that

@@ -1,8 +1,8 @@
 """fanotify through ctypes: the calls, the layout of events, a sandbox's groups, and the
 arguments of an ``execve`` the kernel holds.
 
-The kernel side of ``etude.sandbox.recorder`` (which says what is marked, when and why): thin
-wrappers over ``fanotify_init``, ``fanotify_mark``, ``name_to_handle_at`` and
+The kernel side of ``etude.sandbox.recorder`` (``etude.sandbox.gate`` says what is marked, when
+and why): thin wrappers over ``fanotify_init``, ``fanotify_mark``, ``name_to_handle_at`` and
 ``open_by_handle_at``; the parsing of ``struct fanotify_event_metadata`` and its information
 records; reading a held process's ``execve`` call from ``/proc/PID/syscall`` and
 ``/proc/PID/mem``. What it does not do: decide what an event means for a record.

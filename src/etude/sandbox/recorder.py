@@ -10,30 +10,14 @@ program starts are held, for the few microseconds it takes to read their argumen
 How one command is recorded (``FanotifyRecorder``, one per command, through the sandbox's
 groups; the kernel interface is ``etude.sandbox.fanotify``):
 
-1. ``bwrap`` starts with ``--info-fd`` (it writes the sandbox's first pid) and ``--block-fd``
-   (after building the sandbox's mounts it waits to read a byte before it runs anything of the
-   command). This process waits until that pid is blocked in that read (``/proc/PID/syscall``),
-   and sets the command's limits on it (``prlimit(2)``, inherited by every process of the
-   command: no ``prlimit`` program in the sandbox).
-2. Marks go on every mount of the sandbox, reached through ``/proc/PID/root``: the sandbox's own
-   mounts (binds and tmpfs made by ``bwrap`` in its mount namespace), so an event on them is the
-   sandbox's and no other process's. Group A (notification class, file handles and names:
-   ``FAN_REPORT_DFID_NAME | FAN_REPORT_FID``) gets opens, reads, writes, closes and executions;
-   every directory of the workspace gets an inode mark in A for creations, deletions and renames
-   (a mount mark cannot carry those) and for changes of its files that reach the inode without
-   a mount (``truncate(2)`` by path). Group B (content class) gets ``FAN_OPEN_EXEC_PERM``: the
-   kernel holds each ``execve`` at the open of its program until B answers, and the answer waits
-   until the argv has been read from the caller's memory (``/proc/PID/syscall`` gives the
-   pointer, ``/proc/PID/mem`` the strings). procfs has no file handles and refuses permission
-   events: group C (notification class, a descriptor per event) gets the opens under
-   ``/proc``, whose path is read from the descriptor the kernel reopens for the reader.
-3. The byte is written: the command runs. ``run_process_tree`` serves the queues while it
+1. Set-up (``etude.sandbox.gate``): ``bwrap`` waits on its block pipe while marks go on.
+2. The byte is written: the command runs. ``run_process_tree`` serves the queues while it
    waits (``watches``): held program starts first, group A at most every ``A_EVERY_S`` (in
    batches), a slice of ``MAX_EVENTS_PER_CALL`` events or ``SLICE_S`` per call so that the
    runner keeps its deadline under a flood: each event's directory handle becomes a
-   path as it arrives (a cache kept right through renames of workspace directories) and the
+   path as it arrives (``etude.sandbox.dirpaths``: kept right through renames) and the
    event is sorted into the record.
-4. After ``bwrap`` exited (the kernel emptied the PID namespace first, so every process of the
+3. After ``bwrap`` exited (the kernel emptied the PID namespace first, so every process of the
    command, detached or not, has ended and queued its last event) the queues are drained,
    within ``DRAIN_BUDGET_S``. A reader the runner's watchdog left behind (stuck past the
    deadline) is not waited for: the record is incomplete (``abandoned``).
@@ -73,15 +57,12 @@ it (``prov.record_lost``).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
-import json
 import os
 import posixpath
 import re
 import resource
-import signal
 import stat
 import struct
 import threading
@@ -89,41 +70,32 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
+from etude.sandbox.dirpaths import DirPaths
 from etude.sandbox.fanotify import (
-    DIR_EVENTS,
     DIRENT_EVENTS,
     FAN_ACCESS,
     FAN_CLOSE_NOWRITE,
     FAN_CLOSE_WRITE,
     FAN_CREATE,
     FAN_DELETE,
-    FAN_MARK_INODE,
-    FAN_MARK_MOUNT,
     FAN_MODIFY,
     FAN_ONDIR,
     FAN_OPEN,
     FAN_OPEN_EXEC,
-    FAN_OPEN_EXEC_PERM,
     FAN_Q_OVERFLOW,
     FAN_RENAME,
     INFO_DFID_NAME,
     INFO_NEW_DFID_NAME,
     INFO_OLD_DFID_NAME,
     META,
-    MOUNT_EVENTS,
-    MOUNT_FD_FLAGS,
     allow,
     close_later,
-    dir_handle,
-    elf_interpreter,
     events,
     exec_call,
-    fanotify_mark,
-    handle_path,
     info_records,
     read_argv,
-    set_ignored,
 )
+from etude.sandbox.gate import BLOCK_TIMEOUT_S, Gate, Wrappers, kill, mark_mounts, mark_workspace
 from etude.sandbox.provenance import (
     MAX_PROCESSES,
     Provenance,
@@ -133,14 +105,9 @@ from etude.sandbox.provenance import (
 )
 from etude.sandbox.runner import Leader, Spawner
 
-ELF_INTERPRETERS = (b"ld-linux", b"ld.so", b"ld-musl", b"ld64.so")
-"""Names of dynamic loaders: the kernel opens them for exec too (not a program of their own)."""
 _PROC_OWN = re.compile(r"^/proc/(?!1(?:/|$))\d+(?=/|$)")
 _PROC_THREAD = re.compile(r"^/proc/self/task/\d+(?=/|$)")
 READ_BYTES = 1 << 18
-BLOCK_TIMEOUT_S = 30.0
-"""How long ``bwrap`` may take to build the sandbox before the command is released (at most the
-command's own timeout)."""
 MAX_EVENTS_PER_CALL = 1024
 SLICE_S = 0.02
 """One call of a queue's reader handles at most ``MAX_EVENTS_PER_CALL`` events and about
@@ -154,51 +121,19 @@ are served as they come, first in each turn."""
 DRAIN_BUDGET_S = 3.0
 """How long ``finish`` may read what is left in the queues after the command; past it the record
 is incomplete (a flood that outran the reader, not a command that did less)."""
-UNMARKED_FS = frozenset(["sysfs", "devpts", "mqueue", "devtmpfs", "cgroup", "cgroup2"])
-"""File systems not marked in group A: sysfs and cgroup file systems have no file handles (and
-the sandbox does not mount them); the device nodes of /dev and its pseudo terminals say nothing
-about the task. procfs has group C."""
-_setup_s = 0.0
-"""How long ``bwrap`` lately took from its info line to the block pipe (a running mean)."""
-MAX_DIRS = 20_000
-"""Workspace directories marked per command; past it the record is incomplete."""
 _NAME_INFO = struct.Struct("=2xH8xI")  # an information record's size and its handle's size
-
-
-class _Gate:
-    """The two pipes of ``bwrap``'s ``--info-fd`` and ``--block-fd``."""
-
-    def __init__(self) -> None:
-        self.info_r, self.info_w = os.pipe2(os.O_CLOEXEC)
-        self.block_r, self.block_w = os.pipe2(os.O_CLOEXEC)
-
-    def bwrap_args(self) -> list[str]:
-        return ["--info-fd", str(self.info_w), "--block-fd", str(self.block_r)]
-
-    def close(self) -> None:
-        """Close what is still open (once: a number closed twice may be another's by then)."""
-        for name in ("info_r", "info_w", "block_r", "block_w"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
 
 
 class FanotifyRecorder:
     """Records one command run under ``bwrap`` (module docstring), through a sandbox's groups.
 
-    ``wrapper_execs``: the programs ``bwrap`` runs before the command, itself included (their
-    executions are not the command's; ``bwrap``'s own comes before the marks and is not seen).
+    ``wrapper_execs``, ``wrapper_programs``: the programs ``bwrap`` runs before the command,
+    itself included, and their files (``etude.sandbox.gate.Wrappers``: not the command's).
     ``host_roots``: ``(host path, sandbox path)`` of binds whose source lies elsewhere on the host
     (the sandbox's private ``/etc``), to report paths as the command saw them. The command's
     runner serves the queues while it waits for the command (``watches``), then ``finish``
     drains them.
 
-    ``wrapper_programs``: the wrappers' programs (host paths, as ``bwrap`` and the wrappers find
-    them), given when none of them, nor their loader, can be the command's program (a shell
-    command). Their files are then ignored by group B until the first program start it holds,
-    which is the command's own: the wrappers' starts are not held at all (``setpriv``: two
-    holds per command), and from the command on every program is held again.
     ``dir_cache``: the sandbox's paths of directories on its read-only binds, by handle, kept
     from command to command.
     ``limits``: ``(resource, (soft, hard))`` set on the sandbox's first process while it waits
@@ -222,20 +157,17 @@ class FanotifyRecorder:
         self.group_a, self.group_b, self.group_c = groups
         self.workspace = workspace.rstrip("/")
         self.builder = RecordBuilder(workspace=self.workspace, runtime_roots=tuple(runtime_roots))
-        self.skip_execs = max(0, wrapper_execs - 1)
-        self.wrapper_execs = wrapper_execs
         self._bwrap_pid = -1
         self._own_pid = os.getpid()
-        self._a_root_pid = -1
-        self._a_execs = 0  # program execs of the first process: setpriv, prlimit, the command
-        self.host_roots = [(h.rstrip("/"), s.rstrip("/")) for h, s in host_roots]
-        self.gate = _Gate()
-        self._block_fd = self.gate.block_r  # its number in bwrap too (passed at the same number)
-        # fsid + handle of a directory -> its path; those of the runtime's read-only binds are
-        # kept by the sandbox from command to command (``dir_cache``)
-        self._dir_cache = dir_cache if dir_cache is not None else {}
-        self._dirs: dict[bytes, str] = dict(self._dir_cache)
-        self._mount_fds: dict[bytes, int] = {}  # fsid -> a directory on that file system
+        self.gate = Gate()
+        # directory handles -> paths; those of the runtime's read-only binds are kept by the
+        # sandbox from command to command (``dir_cache``)
+        self._paths = DirPaths(
+            group_a=self.group_a,
+            workspace=self.workspace,
+            host_roots=host_roots,
+            dir_cache=dir_cache if dir_cache is not None else {},
+        )
         # (directory, name) -> union of the event bits seen on that entry
         self._flags: dict[tuple[str, bytes], int] = {}
         self._last_exec: dict[int, tuple[int, ...]] = {}  # pid -> its last execve's arguments
@@ -244,12 +176,9 @@ class FanotifyRecorder:
         self._root_pid = -1
         self._command_started = False
         self._timeout_s = timeout_s
-        self._wrapper_files = _with_loaders(tuple(wrapper_programs))
+        self._wrappers = Wrappers(self.group_b, wrapper_execs, wrapper_programs)
         self._limits = list(limits)
-        self._ignoring: list[str] = []  # files group B ignores until the command's first start
         self._pending: dict[int, tuple[bytes, int]] = {}  # group -> a read and where to go on
-        # (device, inode) of files the command linked in the workspace -> the names it made
-        self._links: dict[tuple[int, int], set[str]] = {}
         # a reader in progress, and whether finish left it behind (the runner abandoned it)
         self._serving_lock = threading.Lock()
         self._serving = False
@@ -290,21 +219,6 @@ class FanotifyRecorder:
 
     # ------------------------------------------------------------------ set-up
 
-    def _mark_workspace(self) -> None:
-        """Inode marks on every workspace directory (creations, deletions, renames in it), and
-        their handles in the cache, so that a path is the one the directory had at the event
-        even when the command renames or removes it afterwards."""
-        fsid = struct.pack("=Q", os.statvfs(self.workspace).f_fsid)
-        for num, (dirpath, _, _) in enumerate(os.walk(self.workspace)):
-            if num == MAX_DIRS:
-                self.complete = False
-                break
-            with contextlib.suppress(OSError):
-                fanotify_mark(self.group_a, FAN_MARK_INODE, DIR_EVENTS, dirpath)
-                handle = dir_handle(dirpath)
-                if handle is not None:
-                    self._dirs[fsid + handle] = dirpath
-
     def spawner(self, inner: Spawner) -> Spawner:
         """``inner`` with the gate: start ``bwrap``, mark its mounts, then let the command run."""
 
@@ -316,141 +230,41 @@ class FanotifyRecorder:
             pass_fds: Sequence[int],
         ) -> Leader:
             gate = self.gate
-            leader = inner(argv, cwd, env, stdio, [*pass_fds, gate.info_w, gate.block_r])
+            leader = inner(argv, cwd, env, stdio, [*pass_fds, *gate.bwrap_fds()])
             self.started = True
-            os.close(gate.info_w)  # bwrap holds them now: EOF on info_r if it dies
-            os.close(gate.block_r)
-            gate.info_w = gate.block_r = -1
+            gate.handed_over()
+            groups = (self.group_a, self.group_b, self.group_c)
             try:
                 # while bwrap builds the sandbox (nothing of the command runs before the byte)
                 self._discard_pending(own=False)
-                self._mark_workspace()
-                self._ignore_wrappers()
-                child = self._wait_blocked(leader)
+                if not mark_workspace(self.group_a, self.workspace, self._paths.dirs):
+                    self.complete = False
+                self._wrappers.ignore()
+                child = gate.wait_blocked(leader, self._timeout_s)
                 if child is None:
                     # bwrap ended, or has not built the sandbox in time: no command without
                     # its limits and marks
                     self.complete = False
-                    _kill(leader)
+                    kill(leader)
                 else:
                     self._bwrap_pid = child
                     for which, limit in self._limits:
                         resource.prlimit(child, which, limit)
-                    self._mark_mounts(child)
+                    if not mark_mounts(child, groups, self._paths.mount_fds):
+                        self.complete = False
             except BaseException:
-                _kill(leader)  # the command must not run unlimited or unwatched
+                kill(leader)  # the command must not run unlimited or unwatched
                 leader.reap()
                 raise
             finally:
-                with contextlib.suppress(OSError):
-                    os.write(gate.block_w, b"x")
-                gate.close()
+                gate.let_through()
             return leader
 
         return spawn
 
-    def _wait_blocked(self, leader: Leader) -> int | None:
-        """The sandbox's first pid once it waits on the block pipe; None if ``bwrap`` ended."""
-        info = b""
-        while True:
-            chunk = os.read(self.gate.info_r, 4096)
-            if not chunk:
-                return None  # bwrap ended before it made the sandbox
-            info += chunk
-            with contextlib.suppress(ValueError):
-                child = int(json.loads(info)["child-pid"])
-                break
-        blocked = f"0 {hex(self._block_fd)} ".encode()  # read(block_fd, ...)
-        deadline = time.monotonic() + min(BLOCK_TIMEOUT_S, self._timeout_s)
-        try:
-            fd = os.open(f"/proc/{child}/syscall", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        global _setup_s
-        start = time.monotonic()
-        try:
-            # bwrap takes a few ms to build the mounts: sleep most of the time it took lately,
-            # then look every 50 us (each look is a few us of CPU the 2 cores could use)
-            time.sleep(0.8 * _setup_s)
-            while time.monotonic() < deadline:
-                if os.pread(fd, 64, 0).startswith(blocked):
-                    _setup_s = min(0.5 * _setup_s + 0.5 * (time.monotonic() - start), 0.05)
-                    return child
-                if leader.exited():
-                    return None
-                time.sleep(0.00005)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        return None
-
-    def _ignore_wrappers(self) -> None:
-        """Group B ignores the wrappers' files until the command's first program start (class
-        docstring); their starts are then not held, so none of them is skipped by count."""
-        for path in self._wrapper_files:
-            try:
-                set_ignored(self.group_b, FAN_OPEN_EXEC_PERM, path, ignored=True)
-            except OSError:
-                self._stop_ignoring()  # held and skipped by count, as without the list
-                return
-            self._ignoring.append(path)
-        if self._ignoring:
-            self.skip_execs = 0
-
-    def _stop_ignoring(self) -> None:
-        """Hold every program start again (before the command's first one goes on)."""
-        for path in self._ignoring:
-            with contextlib.suppress(OSError):
-                set_ignored(self.group_b, FAN_OPEN_EXEC_PERM, path, ignored=False)
-        self._ignoring = []
-
     def bwrap_args(self) -> list[str]:
         """``--info-fd``/``--block-fd`` for the ``bwrap`` argv (before its ``--``)."""
         return self.gate.bwrap_args()
-
-    def _mark_mounts(self, child: int) -> None:
-        """Marks on every mount of the sandbox, and a descriptor per file system to turn the
-        directory handles of its events into paths. Paths are looked up from the sandbox's
-        root directory (opened once through ``/proc/PID/root``); a file system is asked its
-        id once (``major:minor`` names one live file system)."""
-        with open(f"/proc/{child}/mountinfo", "rb") as f:
-            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
-        host_dev, host_fsid = _host_fs()
-        root = os.open(f"/proc/{child}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        fsids: dict[str, bytes] = {host_dev: host_fsid}  # major:minor -> fsid
-        try:
-            for line in lines:
-                fields = line.split()
-                # relative to the sandbox's root; "." is the root itself
-                rel = fields[4].replace("\\040", " ").lstrip("/") or "."
-                fstype = fields[fields.index("-") + 1]
-                if fstype == "proc":
-                    with contextlib.suppress(OSError):
-                        fanotify_mark(self.group_c, FAN_MARK_MOUNT, FAN_OPEN | FAN_ONDIR, rel, root)
-                    continue
-                if fstype in UNMARKED_FS:
-                    continue
-                try:
-                    fanotify_mark(self.group_a, FAN_MARK_MOUNT, MOUNT_EVENTS, rel, root)
-                    fanotify_mark(self.group_b, FAN_MARK_MOUNT, FAN_OPEN_EXEC_PERM, rel, root)
-                except OSError:
-                    self.complete = False  # a mount of the sandbox that cannot be watched
-                    continue
-                if fields[2] in fsids:
-                    fsid = fsids[fields[2]]
-                    if fsid == host_fsid and fsid not in self._mount_fds:
-                        # the host's file system: its handles open as host paths
-                        self._mount_fds[fsid] = os.open("/", MOUNT_FD_FLAGS)
-                    continue
-                fd = os.open(rel, MOUNT_FD_FLAGS, dir_fd=root)
-                fsids[fields[2]] = fsid = struct.pack("=Q", os.fstatvfs(fd).f_fsid)
-                if fsid in self._mount_fds:
-                    os.close(fd)
-                else:
-                    self._mount_fds[fsid] = fd
-        finally:
-            os.close(root)
 
     # ------------------------------------------------------------------ events
 
@@ -535,17 +349,17 @@ class FanotifyRecorder:
         self._last_exec[pid] = call or ()
         if self._root_pid < 0:
             self._root_pid = pid
-        if self.skip_execs and pid == self._root_pid:
-            self.skip_execs -= 1
+        if self._wrappers.skip_execs and pid == self._root_pid:
+            self._wrappers.skip_execs -= 1
             return
         if not self._command_started:
             # the command's own execve, held here: every /proc open of the wrappers before it
             # is queued by now; read them as theirs, then what comes is the command's
-            self._stop_ignoring()
+            self._wrappers.stop_ignoring()
             while self._read_c():
                 pass
             self._command_started = True
-        program = self._sandbox_path(os.readlink(f"/proc/self/fd/{fd}"))
+        program = self._paths.sandbox_path(os.readlink(f"/proc/self/fd/{fd}"))
         given, argv = read_argv(pid, call) if call is not None else ("", [])
         self.builder.add("executed", program)
         self.builder.prov.num_processes += 1
@@ -628,9 +442,10 @@ class FanotifyRecorder:
         if (read := self._slice(self.group_a)) is None:
             return False
         buf = read[0]
-        flags, dirs, skip = self._flags, self._dirs, (self._bwrap_pid, self._own_pid)
-        unverified, num = self._unverified, 0
-        wrappers = self._a_execs < self.wrapper_execs  # still in the wrappers' events
+        flags, skip, paths = self._flags, (self._bwrap_pid, self._own_pid), self._paths
+        dirs = paths.dirs
+        unverified, num, w = self._unverified, 0, self._wrappers
+        wrappers = w.a_execs < w.execs  # still in the wrappers' events
         for mask, _, pid, at, end in self._events(self.group_a, *read):
             if pid in skip:
                 continue  # bwrap's first process, and this one's look at the mounts
@@ -640,147 +455,60 @@ class FanotifyRecorder:
             if mask & DIRENT_EVENTS or buf[at] != INFO_DFID_NAME:
                 names, child = info_records(buf, at, end)
                 name = names.get(INFO_DFID_NAME, (b"", b""))[1]
-                if not self._wrapper_event(pid, mask, name):
+                if not w.event(pid, mask, name):
                     self._event(mask, names, child)
-                wrappers = self._a_execs < self.wrapper_execs
+                wrappers = w.a_execs < w.execs
                 continue
             # the common case, an open, read, write or close of an entry of a directory:
             # DFID_NAME first (struct fanotify_event_info_fid: header, fsid, file_handle, name)
             size, hsize = _NAME_INFO.unpack_from(buf, at)
             name = buf[at + 20 + hsize : at + size].split(b"\0", 1)[0]
             if wrappers:
-                skipped = self._wrapper_event(pid, mask, name)
-                wrappers = self._a_execs < self.wrapper_execs
+                skipped = w.event(pid, mask, name)
+                wrappers = w.a_execs < w.execs
                 if skipped:
                     continue
             handle = buf[at + 4 : at + 12] + buf[at + 16 : at + 20 + hsize]
-            base = dirs.get(handle) or self._resolve(handle)
+            base = dirs.get(handle) or paths.resolve(handle)
             if base is not None:
                 key = (base, name)
                 flags[key] = flags.get(key, 0) | mask
         self.num_events += num
         return True
 
-    def _wrapper_event(self, pid: int, mask: int, name: bytes) -> bool:
-        """Whether an event is the wrappers' ``bwrap`` runs before the command (``setpriv``,
-        ``prlimit``), up to the command's own ``execve``: events of the first process until
-        its program executions reach ``wrapper_execs``."""
-        if self._a_root_pid < 0:
-            self._a_root_pid = pid  # the first process after bwrap's: it execs the wrappers
-        if pid != self._a_root_pid or self._a_execs >= self.wrapper_execs:
-            return False
-        if mask & FAN_OPEN_EXEC and name and not name.startswith(ELF_INTERPRETERS):
-            self._a_execs += 1  # the wrappers', then the command's program
-        return self._a_execs < self.wrapper_execs
-
     def _event(self, mask: int, names: dict[int, tuple[bytes, bytes]], child: bytes) -> None:
         """A creation, deletion or rename in a workspace directory (or an event whose record
         is not the common one)."""
         if mask & FAN_RENAME:
             old, new = names.get(INFO_OLD_DFID_NAME), names.get(INFO_NEW_DFID_NAME)
-            src = self._join(*old) if old else None
-            dst = self._join(*new) if new else None
+            src = self._paths.join(*old) if old else None
+            dst = self._paths.join(*new) if new else None
             if src:
                 self.builder.add("read", src)
                 self.builder.add("deleted", src)
             if dst:
                 self.builder.add("written", dst)
             if mask & FAN_ONDIR and src and dst:
-                self._moved(src, dst)
+                self._paths.moved(src, dst)
             return
         entry = names.get(INFO_DFID_NAME)
         if entry is None:
             return
-        path = self._join(*entry)
+        path = self._paths.join(*entry)
         if path is None:
             return
         if mask & FAN_CREATE:
             self.builder.add("written", path)
             if mask & FAN_ONDIR:
-                self._new_dir(path, child)
+                self._paths.new_dir(path, child)
             else:
-                self._maybe_link(path)
+                self._paths.maybe_link(path)
         elif mask & FAN_DELETE:
             self.builder.add("deleted", path)
         else:  # an access whose records came in another order
             name = entry[1] if entry[1] not in (b"", b".") else b"."
             key = (path if name == b"." else posixpath.dirname(path), name)
             self._flags[key] = self._flags.get(key, 0) | mask
-
-    def _join(self, handle: bytes, name: bytes) -> str | None:
-        base = self._dirs.get(handle) or self._resolve(handle)
-        if base is None:
-            return None
-        return base if name in (b".", b"") else posixpath.join(base, os.fsdecode(name))
-
-    def _resolve(self, handle: bytes) -> str | None:
-        """The path of a directory the cache does not know yet, as the sandbox sees it."""
-        mount_fd = self._mount_fds.get(handle[:8])
-        path = handle_path(mount_fd, handle) if mount_fd is not None else None
-        if path is None or not path.startswith("/"):
-            return None  # removed before its event was read
-        # a host file system opens at its host path (the binds keep their paths but /etc's);
-        # one of the sandbox alone (its /tmp) at the path the sandbox sees
-        self._dirs[handle] = path = self._sandbox_path(path)
-        if (
-            handle[:8] == _host_fs()[1]
-            and not (path == self.workspace or path.startswith(self.workspace + "/"))
-            and len(self._dir_cache) < MAX_DIRS
-        ):
-            self._dir_cache[handle] = path  # a read-only bind's: the same in the next command
-        return path
-
-    def _sandbox_path(self, path: str) -> str:
-        for host, sandbox in self.host_roots:
-            if path == host or path.startswith(host + "/"):
-                return sandbox + path[len(host) :]
-        return path
-
-    def _new_dir(self, path: str, child: bytes) -> None:
-        """A directory made by the command: watch it for what is made or removed in it."""
-        if child:
-            self._dirs[child] = path
-        with contextlib.suppress(OSError):
-            if path.startswith(self.workspace + "/"):
-                fanotify_mark(self.group_a, FAN_MARK_INODE, DIR_EVENTS, path)
-
-    def _moved(self, src: str, dst: str) -> None:
-        for handle, path in list(self._dirs.items()):
-            if path == src or path.startswith(src + "/"):
-                self._dirs[handle] = dst + path[len(src) :]
-
-    def _maybe_link(self, path: str) -> None:
-        """A new name of an existing workspace file (a hard link; they cannot cross mounts, so
-        the source is in the workspace too): its other names count as read and written, as with
-        strace. Its inode is noted here; the names are found by ``_link_sources``, one walk of
-        the workspace for all links (a walk per link would let a flood of links stall the
-        reader)."""
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        if st.st_nlink >= 2 and path.startswith(self.workspace + "/"):
-            self._links.setdefault((st.st_dev, st.st_ino), set()).add(path)
-
-    def _link_sources(self, until: float) -> bool:
-        """The other names of the linked files (``_maybe_link``) as read and written; False
-        when the walk ran past ``until``."""
-        num = 0
-        for dirpath, _, filenames in os.walk(self.workspace):
-            for name in filenames:
-                num += 1
-                if num & 255 == 0 and time.monotonic() > until:
-                    return False
-                other = os.path.join(dirpath, name)
-                try:
-                    st = os.lstat(other)
-                except OSError:
-                    continue
-                made = self._links.get((st.st_dev, st.st_ino))
-                if made is not None and (other not in made or len(made) > 1):
-                    self.builder.add("read", other)
-                    self.builder.add("written", other)
-        return True
 
     # ------------------------------------------------------------------ result
 
@@ -799,7 +527,7 @@ class FanotifyRecorder:
             self.builder = RecordBuilder(workspace=self.workspace, runtime_roots=())
             self._flags = {}
             return self._record(builder, list(flags.items()))
-        self._stop_ignoring()  # the command never started: the next one must find none
+        self._wrappers.stop_ignoring()  # the command never started: the next one must find none
         until = time.monotonic() + DRAIN_BUDGET_S
         readers = (self._read_b, self._read_a, self._read_c)
         while self.error is None and any([read() for read in readers]):
@@ -808,7 +536,7 @@ class FanotifyRecorder:
                 self.complete = False
         if self.error is not None:
             self._discard_pending()
-        if self._links and not self._link_sources(until):
+        if self._paths.links and not self._paths.link_sources(self.builder, until):
             self.complete = False
         self._release()
         return self._record(self.builder, list(self._flags.items()))
@@ -818,8 +546,8 @@ class FanotifyRecorder:
         The mount descriptors close on a thread of their own: the last one of a sandbox's
         ``/tmp`` unmounts it, which frees every file the command left there (0.6 s after a
         flood of them)."""
-        close_later(self._mount_fds.values())
-        self._mount_fds = {}
+        close_later(self._paths.mount_fds.values())
+        self._paths.mount_fds = {}
         self.gate.close()
         if self.abandoned:
             close_later((self.group_a, self.group_b, self.group_c))
@@ -843,31 +571,6 @@ class FanotifyRecorder:
         prov.overflow = self.overflow
         prov.complete = self.complete and not self.overflow
         return prov
-
-
-def _kill(leader: Leader) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader.pid, signal.SIGKILL)
-
-
-@functools.lru_cache(maxsize=1)
-def _host_fs() -> tuple[str, bytes]:
-    """``major:minor`` (as ``mountinfo`` writes it) and fsid of the host's root file system."""
-    dev = os.stat("/").st_dev
-    return f"{os.major(dev)}:{os.minor(dev)}", struct.pack("=Q", os.statvfs("/").f_fsid)
-
-
-@functools.lru_cache(maxsize=16)
-def _with_loaders(programs: tuple[str, ...]) -> tuple[str, ...]:
-    """``programs`` and the dynamic loaders they name, one path per file (by device and inode)."""
-    files: dict[tuple[int, int], str] = {}
-    for program in programs:
-        loader = elf_interpreter(program)
-        for path in (program, loader) if loader else (program,):
-            with contextlib.suppress(OSError):
-                st = os.stat(path)
-                files.setdefault((st.st_dev, st.st_ino), os.path.realpath(path))
-    return tuple(files.values())
 
 
 def _read_queue(group: int) -> bytes | None:
