@@ -117,7 +117,11 @@ A_EVERY_S = 0.002
 """Group A is read at most this often while the command runs: its events wait in the kernel's
 queue and come in batches (a read per few events cost more than the events), while held program
 starts (group B) and ``/proc`` opens (group C, whose files must still be open to be reopened)
-are served as they come, first in each turn."""
+are served as they come, first in each turn. A held program start reads group A up to itself
+first (``ORDER_BUDGET_S``): the check of its arguments needs its process's earlier events read."""
+ORDER_BUDGET_S = 0.05
+"""How long a held program start may wait while group A's queue is read up to it (the events
+before it are its old image's); past it the record is incomplete."""
 DRAIN_BUDGET_S = 3.0
 """How long ``finish`` may read what is left in the queues after the command; past it the record
 is incomplete (a flood that outran the reader, not a command that did less)."""
@@ -366,7 +370,21 @@ class FanotifyRecorder:
         # the program as the caller named it (a symlink's name), or as opened (fexecve)
         recorded = cap_argv(process_argv(given or program, argv))
         self._add_process(recorded)
+        # the check of these arguments (_verify_exec) starts at this execve's own opens: every
+        # event the process queued before it (its old image's, and the wrappers') must be read
+        # first. They are all queued by now (the process is held), though group A is read in
+        # batches; a flood that keeps the queue from emptying leaves the record incomplete
+        if not self._read_a_until_empty():
+            self.complete = False
         self._unverified[pid] = (given or program, recorded, False)
+
+    def _read_a_until_empty(self) -> bool:
+        """Read group A until its queue is empty; False past ``ORDER_BUDGET_S``."""
+        until = time.monotonic() + ORDER_BUDGET_S
+        while self._read_a():
+            if time.monotonic() > until:
+                return False
+        return True
 
     def _add_process(self, argv: list[str]) -> None:
         if len(self.builder.prov.processes) < MAX_PROCESSES:
