@@ -31,7 +31,10 @@ Measured:
 
 Flat keys in the JSON: ``sft_pass_at_1``, ``feedback_final_pass_at_1_min``,
 ``rl_final_pass_at_1_min`` (minimum over seeds), ``feedback_error_halving_steps``,
-``rl_error_halving_steps``, per-seed values, and the goals with whether each was met.
+``rl_error_halving_steps``, per-seed values, the goals with whether each was met, and what was
+run: ``steps`` against the recipe's ``recipe_steps``, ``sft_steps`` against
+``recipe_sft_steps`` (a warm start trained shorter than the recipe's, to leave the RL arms
+room), and the ``--set`` overrides as one string (``overrides``).
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def main() -> None:
     recipe = load_demo_recipe(args.recipe, [f'demo.run_dir="{run}"', *args.set])
     sft, rl = stage_recipes(recipe)
     recipe_steps = rl.train.steps
+    recipe_sft_steps = stage_recipes(load_demo_recipe(args.recipe, []))[0].train.steps
     steps = args.steps or recipe_steps
     group = args.eval_group_size or recipe.demo.eval_group_size
     started = time.perf_counter()
@@ -196,6 +200,9 @@ def main() -> None:
         "sft_malformed_rate": sft_eval.get("malformed_rate", 0.0),
         "steps": steps,
         "recipe_steps": recipe_steps,
+        "sft_steps": sft.train.steps,
+        "recipe_sft_steps": recipe_sft_steps,
+        "overrides": " ".join(args.set),
         "reduced_steps": steps < recipe_steps,
         "seeds": len(args.seeds),
         "eval_episodes_per_policy": int(sft_eval["episodes"]),
