@@ -6,8 +6,9 @@ per command and mechanism a pass of ``--repeats`` pairs (untraced, traced), inte
 load from other jobs hits both alike; the figure is the median over the pairs of traced time
 over untraced time, over the pairs the hypervisor took no CPU time from (steal in
 ``/proc/stat``: other guests' load, which interleaving does not cancel; a pair with steal is run
-again, up to three times the repeats; the figure over every pair tried is written too, as
-``overhead_all_pairs_*``). Each mechanism has its own pass: the work a run leaves behind (strace's
+again, up to three times the repeats, and when fewer than half the repeats come out without
+steal every pair tried is used, ``pairs_*`` saying how many; the figure over every pair tried
+is written too, as ``overhead_all_pairs_*``). Each mechanism has its own pass: the work a run leaves behind (strace's
 tracer, the unmount of a sandbox's ``/tmp``) slows the run after it, which in one interleaved
 pass of all three was the other mechanism's. The recorded time includes turning the events
 into the command's record. The strace tracer starts once per sandbox (episode), with the first
