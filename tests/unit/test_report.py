@@ -21,7 +21,8 @@ from etude.model.tokenizer import Tokenizer
 from etude.report import plots
 from etude.report.cli import DEFAULT_MAX_TRAJECTORIES, add_report_parser
 from etude.report.html import DEFAULT_MAX_TRAJECTORIES as HTML_DEFAULT
-from etude.report.html import build_report, load_run, write_report
+from etude.report.html import build_report, write_report
+from etude.report.run_data import load_run
 from etude.report.viewer import select_trajectories, token_pieces, viewer_record
 
 ASSETS = Path(__file__).parents[1] / "assets"

@@ -11,8 +11,8 @@ x axis ticks, axis labels, the data, and a legend under the plot area. Every dat
 (``data-plot`` the id, ``data-series`` and ``data-points`` the counts) so a test or a script can
 check that a figure has data without parsing paths.
 
-What this module does not do: read run files, choose which metrics to plot (``etude.report.html``
-does), interactive zoom, or log scales.
+What this module does not do: read run files, choose which metrics to plot
+(``etude.report.figures`` does), interactive zoom, or log scales.
 """
 
 from __future__ import annotations

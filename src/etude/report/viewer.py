@@ -17,7 +17,7 @@ them in the browser. Records are bounded: long texts are cut in the middle and t
 at most ``--max-trajectories`` episodes (``select_trajectories`` keeps flagged and hinted ones
 first, spread over the run).
 
-What it does not do: load run directories (``etude.report.html``), or show token logprobs.
+What it does not do: load run directories (``etude.report.run_data``), or show token logprobs.
 """
 
 from __future__ import annotations
