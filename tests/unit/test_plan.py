@@ -13,20 +13,13 @@ from etude.model.config import ModelConfig
 from etude.model.info import count_params
 from etude.model.meta import ParamMeta
 from etude.plan.cluster import ClusterConfig
-from etude.plan.cost import (
-    OwnerBalancer,
-    ParamRecord,
-    PlanSettings,
-    activation_bytes_per_token,
-    block_pieces,
-    block_span,
-    estimate,
-    model_inventory,
-    plan,
-    simulate_muon,
-)
+from etude.plan.cost import estimate, plan
 from etude.plan.layout import Layout, min_gpus
+from etude.plan.memory import activation_bytes_per_token
+from etude.plan.muon_schedule import OwnerBalancer, block_pieces, simulate_muon
 from etude.plan.report import add_plan_parser, format_plan, main
+from etude.plan.settings import PlanSettings
+from etude.plan.sharding import ParamRecord, block_span, model_inventory
 
 
 def hand_cfg(**overrides) -> ModelConfig:

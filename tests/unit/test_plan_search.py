@@ -7,10 +7,11 @@ import pytest
 
 from etude.model import ModelConfig
 from etude.plan.cluster import ClusterConfig
-from etude.plan.cost import PlanSettings, estimate
+from etude.plan.cost import estimate
 from etude.plan.layout import Layout
 from etude.plan.report import main
 from etude.plan.search import candidate_layouts, search_layouts
+from etude.plan.settings import PlanSettings
 
 
 def small_moe() -> ModelConfig:

@@ -159,8 +159,9 @@ def resolve_model(config: str):
 def plan_main(args: argparse.Namespace) -> int:
     """Run ``etude plan`` with parsed ``args``; ``ValueError`` on a bad setting."""
     from etude.plan.cluster import ClusterConfig
-    from etude.plan.cost import PlanSettings, plan
+    from etude.plan.cost import plan
     from etude.plan.layout import Layout
+    from etude.plan.settings import PlanSettings
 
     cfg = resolve_model(args.config)
     overrides: dict[str, Any] = {}

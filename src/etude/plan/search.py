@@ -14,7 +14,7 @@ GPU: ``N * seq_len * micro_batch`` tokens, so a faster step is a higher throughp
 ``step = forward/backward compute + training communication (serial, as reported) + Muon step
 (overlapped)``. The cheap pass estimates the Muon step from perfectly balanced Newton-Schulz
 FLOPs; the best ``simulate`` candidates then get the full block-by-block Muon schedule of
-``etude.plan.cost`` and are ranked again.
+``etude.plan.muon_schedule`` and are ranked again.
 
 What this does not do: search the shared mesh, micro-batch sizes, activation checkpointing or
 dtypes (they are settings), or tensor/pipeline parallelism.
@@ -29,16 +29,12 @@ from typing import Any
 
 from etude.model.config import ModelConfig
 from etude.plan.cluster import ClusterConfig
-from etude.plan.cost import (
-    PlanSettings,
-    _memory,
-    _train_comm,
-    estimate,
-    model_inventory,
-    shard_param,
-    train_flops_per_token,
-)
+from etude.plan.comm import train_comm
+from etude.plan.cost import estimate, train_flops_per_token
 from etude.plan.layout import Layout
+from etude.plan.memory import memory_per_gpu
+from etude.plan.settings import PlanSettings
+from etude.plan.sharding import model_inventory, shard_param
 
 
 def _divisors(n: int) -> list[int]:
@@ -92,12 +88,12 @@ def _ns_flops_split(records, settings) -> tuple[int, int]:
 def _cheap_estimate(cfg, cluster, layout, settings, records, ns_split, per_token):
     """Memory, training time and a balanced-FLOPs Muon step (no block schedule)."""
     shards = [shard_param(r, layout) for r in records]
-    memory = _memory(cfg, records, shards, layout, settings)
+    memory = memory_per_gpu(cfg, records, shards, layout, settings)
     batch_tokens = settings.resolved_batch_tokens(layout)
     num_micro = batch_tokens // (
         settings.micro_batch_size * settings.seq_len * layout.data_parallel
     )
-    comm = _train_comm(cfg, records, layout, cluster, settings, num_micro)
+    comm = train_comm(cfg, records, layout, cluster, settings, num_micro)
     dense, expert = ns_split
     ideal = dense / layout.dense_fsdp + expert / layout.expert_shard
     muon_s = ideal / (cluster.flops(settings.dtype) * cluster.matmul_efficiency)
