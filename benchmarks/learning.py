@@ -18,6 +18,9 @@ evaluation runs on the training tasks (the demo has no held-out split).
 Measured:
 
 - ``pass@1``: passing episodes / episodes of an evaluation (95% Wilson interval per arm);
+- why the evaluation's episodes failed (``*_failed_without_edit``: no edit call ran without an
+  error, e.g. every edit call's JSON came out garbled; ``*_failed_with_edit``: an edit ran and
+  its content was wrong);
 - the targeted error rate per step: (unknown-tool + malformed-call errors) per assistant turn of
   the step's RL rollouts, which never contain hints (a hint enters only the teacher's context);
   ``*_error_halving_steps``: the first step at or below half the warm start's rate (the warm
@@ -51,6 +54,9 @@ from etude.rl.sft import run_sft
 from etude.rl.trainer import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
+# why evaluation episodes failed (etude.demo.episode_metrics): no edit call ran, or one ran and
+# its content was wrong
+FAILURE_KEYS = ("failed_without_edit", "failed_with_edit")
 
 
 def targeted_rate(metrics: dict) -> float:
@@ -110,7 +116,9 @@ def main() -> None:
     if sft_eval_path.is_file():
         sft_eval = json.loads(sft_eval_path.read_text())
     else:
-        sft_eval = evaluate_policy(rl, run / "sft", group, label="eval sft")
+        sft_eval = evaluate_policy(
+            rl, run / "sft", group, out=run / "eval_sft_trajectories.jsonl", label="eval sft"
+        )
         write_json_atomic(sft_eval_path, sft_eval)
 
     arms = {
@@ -218,6 +226,12 @@ def main() -> None:
             out[f"{arm}_seed{seed}_unknown_tool_halving_steps"] = r["unknown_halving"]
             out[f"{arm}_seed{seed}_eval_unknown_tool_rate"] = r["final"]["unknown_tool_rate"]
             out[f"{arm}_seed{seed}_eval_malformed_rate"] = r["final"]["malformed_rate"]
+            for key in FAILURE_KEYS:  # evaluations made before these keys existed lack them
+                if key in r["final"]:
+                    out[f"{arm}_seed{seed}_{key}"] = r["final"][key]
+    for key in FAILURE_KEYS:
+        if key in sft_eval:
+            out[f"sft_{key}"] = sft_eval[key]
     for key in ("shift/hinted", "shift/other", "teacher_minus_student"):
         values = [v for r in results["feedback"].values() for v in r["shift"][key]]
         name = "feedback_" + key.replace("/", "_")

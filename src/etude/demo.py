@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 from etude.config import apply_overrides, from_dict, load_toml, to_dict
+from etude.rl.feedback import EDIT_TOOLS
 from etude.rl.sft import SFTRecipe
 from etude.rl.trainer import TrainRecipe
 from etude.tasks.build import TaskBuildConfig
@@ -175,6 +176,12 @@ def episode_metrics(trajectories: list, num_tasks: int) -> dict[str, float]:
     ``valid_after_malformed``: of the assistant turns right after a turn with a malformed call
     (``turns_after_malformed`` of them), the fraction that make a tool call without any error:
     whether the policy recovers from its own broken call JSON.
+
+    Why episodes fail, as fractions of all episodes: ``failed_without_edit`` never made an edit
+    call (``write_file`` / ``replace_in_file``) that ran without an error, ``failed_with_edit``
+    made one and still did not pass (its content was wrong, or the episode ended before a
+    submit). A hint about the call's form can help the first; only the edit's content fixes the
+    second.
     """
     n = len(trajectories)
     turns = [turn for t in trajectories for _, turn in t.assistant_turns()]
@@ -186,6 +193,14 @@ def episode_metrics(trajectories: list, num_tasks: int) -> dict[str, float]:
     ]
     errors = Counter(e.kind for turn in turns for e in turn.errors)
     passes = sum(float(t.reward or 0.0) >= 1.0 for t in trajectories)
+    failed_edited = [
+        any(
+            not turn.errors and any(call.name in EDIT_TOOLS for call in turn.tool_calls)
+            for _, turn in t.assistant_turns()
+        )
+        for t in trajectories
+        if float(t.reward or 0.0) < 1.0
+    ]
     low, high = wilson_interval(passes, n)
     first_valid = [
         bool(turn.tool_calls) and not turn.errors
@@ -210,6 +225,8 @@ def episode_metrics(trajectories: list, num_tasks: int) -> dict[str, float]:
         "tool_error_rate": sum(errors.values()) / max(len(turns), 1),
         "turns_after_malformed": float(len(after_malformed)),
         "valid_after_malformed": sum(after_malformed) / max(len(after_malformed), 1),
+        "failed_without_edit": failed_edited.count(False) / max(n, 1),
+        "failed_with_edit": failed_edited.count(True) / max(n, 1),
     }
 
 

@@ -115,3 +115,30 @@ def test_episode_metrics_count_valid_calls_right_after_a_malformed_one():
     m = episode_metrics([a, b], 2)
     assert m["turns_after_malformed"] == 3.0 and m["valid_after_malformed"] == 1 / 3
     assert episode_metrics([], 0)["valid_after_malformed"] == 0.0
+
+
+def test_episode_metrics_split_failures_by_whether_an_edit_call_ran():
+    from etude.demo import episode_metrics
+    from etude.env.trajectory import ToolCall, ToolError, Trajectory, Turn
+
+    def call(name: str, error: str | None = None) -> Turn:
+        errors = [ToolError(kind=error, message=error)] if error else []
+        calls = [] if error == "malformed_json" else [ToolCall(name=name)]
+        return Turn(role="assistant", text="", tool_calls=calls, errors=errors)
+
+    passed = Trajectory(task_id="a", turns=[call("replace_in_file")], reward=1.0)
+    wrong_edit = Trajectory(task_id="a", turns=[call("write_file"), call("submit")], reward=0.0)
+    # a garbled edit, an edit whose call failed (old text not found), then only reads
+    no_edit = Trajectory(
+        task_id="a",
+        turns=[
+            call("replace_in_file", "malformed_json"),
+            call("replace_in_file", "tool_failed"),
+            call("read_file"),
+        ],
+        reward=0.0,
+    )
+    m = episode_metrics([passed, wrong_edit, no_edit, no_edit], 1)
+    assert m["pass_at_1"] == 0.25
+    assert m["failed_with_edit"] == 0.25 and m["failed_without_edit"] == 0.5
+    assert episode_metrics([], 0)["failed_without_edit"] == 0.0
