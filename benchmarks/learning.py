@@ -48,7 +48,14 @@ import json
 import time
 from pathlib import Path
 
-from etude.demo import evaluate_policy, load_demo_recipe, run_tasks_stage, stage_recipes
+from etude.demo import (
+    episode_metrics,
+    evaluate_policy,
+    load_demo_recipe,
+    run_tasks_stage,
+    stage_recipes,
+)
+from etude.env.trajectory import read_jsonl
 from etude.report.metrics import read_metrics, write_json_atomic
 from etude.rl.sft import run_sft
 from etude.rl.trainer import run_train
@@ -63,6 +70,15 @@ def targeted_rate(metrics: dict) -> float:
     return float(metrics.get("err/unknown_tool", 0.0)) + float(
         metrics.get("err/malformed_json", 0.0)
     )
+
+
+def with_failure_keys(final: dict, trajectories: Path) -> dict:
+    """``final`` with the failure keys recomputed from its stored trajectories when an older
+    evaluation lacks them (the metrics are a function of the trajectories alone)."""
+    if all(key in final for key in FAILURE_KEYS) or not trajectories.is_file():
+        return final
+    metrics = episode_metrics(read_jsonl(trajectories), int(final["tasks"]))
+    return {**final, **{key: metrics[key] for key in FAILURE_KEYS}}
 
 
 def halving_steps(start: float, rates: list[float]) -> int:
@@ -146,6 +162,7 @@ def main() -> None:
             eval_path = arm_dir / "eval.json"
             if eval_path.is_file():
                 final = json.loads(eval_path.read_text())
+                final = with_failure_keys(final, arm_dir / "eval_trajectories.jsonl")
             else:
                 run_train(cfg)
                 final = evaluate_policy(
@@ -216,7 +233,8 @@ def main() -> None:
         "eval_episodes_per_policy": int(sft_eval["episodes"]),
         "eval_on_training_tasks": True,
         "tasks": int(sft_eval["tasks"]),
-        "wall_seconds": time.perf_counter() - started,
+        # this invocation's time: arms and evaluations finished by earlier runs are read, not rerun
+        "wall_seconds_this_invocation": time.perf_counter() - started,
     }
     for arm in arms:
         for seed, r in results[arm].items():
