@@ -27,20 +27,22 @@ from test_tasks_mine import write_mini_repo
 
 from etude.sandbox import make_sandbox
 from etude.tasks.build import TaskBuildConfig, TaskFactory
-from etude.tasks.mine import ProposalConfig
-from etude.tasks.record import resolve_workspace
-from etude.tasks.sanitize import (
+from etude.tasks.leaks import (
     LeakMaterial,
     distinctive_material,
-    export_tree,
-    find_installed_copies,
-    fresh_git_repo,
     identifiers,
     leak_scan,
     ngrams,
+    tree_files,
+)
+from etude.tasks.mine import ProposalConfig
+from etude.tasks.record import resolve_workspace
+from etude.tasks.sanitize import (
+    export_tree,
+    find_installed_copies,
+    fresh_git_repo,
     run_git,
     skip_reason,
-    tree_files,
     workspace_head,
 )
 from etude.tasks.validate import record_leak_material

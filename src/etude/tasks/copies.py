@@ -2,7 +2,7 @@
 
 A task whose deleted method also lives, verbatim or reformatted, in a vendored module of the same
 repository (or in a tutorial, a test helper, an installed package) is solved by copying it: the
-reward says nothing about the agent. The line and n-gram scan of ``etude.tasks.sanitize`` cannot
+reward says nothing about the agent. The line and n-gram scan of ``etude.tasks.leaks`` cannot
 see such a copy, because by its definition nothing that remains in the tree is distinctive. So
 the factory also compares **code**: every function, method and class of the deleted code is
 normalized and looked for among the definitions of every readable file.
@@ -34,7 +34,7 @@ can run as a script in the sandbox.
 
 What this module does not do: decide what happens to a copy (the factory deletes it with the
 feature or rejects the task), see paraphrases (another algorithm, another language), or read
-binary files (``etude.tasks.sanitize`` decodes archives and git objects).
+binary files (``etude.tasks.leaks`` decodes archives and git objects).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ threads; what the threads share (instance ids, flaky tests, features by id) is t
 
 What this module does not do: choose or order the features, run the baseline, or write
 ``tasks.jsonl`` and the report (``etude.tasks.build``); the validation rules themselves
-(``etude.tasks.validate``) or the leak scan's rules (``etude.tasks.sanitize``).
+(``etude.tasks.validate``) or the leak scan's rules (``etude.tasks.leaks``).
 """
 
 from __future__ import annotations
@@ -55,17 +55,11 @@ from etude.tasks.delete import (
     write_source,
 )
 from etude.tasks.layout import Layout
+from etude.tasks.leaks import distinctive_material, leak_scan, source_code_streams, tree_files
 from etude.tasks.mine import Feature, Miner
 from etude.tasks.quality import count_callers, deleted_statements, difficulty, difficulty_score
 from etude.tasks.record import EtudeInfo, TaskRecord, archive_workspace
-from etude.tasks.sanitize import (
-    distinctive_material,
-    export_tree,
-    fresh_git_repo,
-    leak_scan,
-    source_code_streams,
-    tree_files,
-)
+from etude.tasks.sanitize import export_tree, fresh_git_repo
 from etude.tasks.statement import DETAIL_RANK, problem_statement
 from etude.tasks.testdeps import DEPS_DIR
 from etude.tasks.validate import COLLECT_ANYWAY, validate_task

@@ -60,16 +60,16 @@ from etude.tasks.delete import (
     stub_definitions,
     write_source,
 )
-from etude.tasks.mine import junit_address, probe_imports
-from etude.tasks.record import TaskRecord, resolve_workspace, tree_digest
-from etude.tasks.sanitize import (
+from etude.tasks.leaks import (
     LeakMaterial,
     distinctive_material,
     leak_scan,
     source_code_streams,
     tree_files,
-    workspace_head,
 )
+from etude.tasks.mine import junit_address, probe_imports
+from etude.tasks.record import TaskRecord, resolve_workspace, tree_digest
+from etude.tasks.sanitize import workspace_head
 
 COLLECT_ANYWAY = ("--continue-on-collection-errors",)
 STUB_KINDS: tuple[StubKind, ...] = ("raise", "pass")
