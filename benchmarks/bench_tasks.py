@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from etude.tasks.build import TaskBuildConfig, TaskFactory
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTKIT = ROOT / "examples" / "repos" / "textkit"

@@ -13,7 +13,7 @@ import pytest
 
 from etude.sandbox import make_sandbox
 from etude.tasks.build import TaskBuildConfig, build_tasks
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 from etude.tasks.record import load_tasks
 from etude.tasks.validate import check_record
 

@@ -22,7 +22,7 @@ from etude.model.tokenizer import Tokenizer, default_corpus
 from etude.model.transformer import build_model
 from etude.tasks.agent_backend import backend_chat_model, render_prompt
 from etude.tasks.agent_deleter import SYSTEM_PROMPT, AgentDeleterConfig, propose_with_agent
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 
 PROPOSALS = ProposalConfig(min_lines=2, max_test_fraction=1.0)
 EXPECTED = [

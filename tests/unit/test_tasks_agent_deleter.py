@@ -9,14 +9,8 @@ from test_tasks_mine import write_mini_repo
 
 from etude.tasks.agent_deleter import AgentDeleterConfig, chat, parse_features, propose_with_agent
 from etude.tasks.build import TaskBuildConfig, TaskFactory
-from etude.tasks.mine import (
-    Baseline,
-    Miner,
-    ProposalConfig,
-    detect_layout,
-    index_package,
-    index_test_imports,
-)
+from etude.tasks.mine import Baseline, Miner, detect_layout, index_package, index_test_imports
+from etude.tasks.proposal import ProposalConfig
 
 REPLIES = {
     "minipkg.shapes": {

@@ -13,7 +13,7 @@ from etude.sandbox import SandboxConfig, make_sandbox
 from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.copies import code_blocks, definitions_of_source, find_copies, normalize
 from etude.tasks.copyguard import SandboxCopies
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 
 ORIGINAL = '''
 def merge_counts(pairs, start=0):

@@ -8,7 +8,7 @@ from test_tasks_mine import write_mini_repo
 
 from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.curriculum import CurriculumConfig, TaskPool, beta_weight, is_zero_variance
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 from etude.tasks.record import EtudeInfo, TaskRecord
 
 

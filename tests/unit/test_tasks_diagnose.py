@@ -12,7 +12,7 @@ from test_tasks_mine import MINI_FILES, write_mini_repo
 
 from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.diagnose import diagnose, missing_modules, plugin_for, usage_error
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 from etude.tasks.testdeps import DEPS_DIR, declared_requirements, to_install
 
 SUMMARY = """\

@@ -7,14 +7,8 @@ import pytest
 from test_tasks_mine import write_mini_repo
 
 from etude.tasks.features import cluster_test_files, feature_groups
-from etude.tasks.mine import (
-    Baseline,
-    Miner,
-    ProposalConfig,
-    detect_layout,
-    index_package,
-    index_test_imports,
-)
+from etude.tasks.mine import Baseline, Miner, detect_layout, index_package, index_test_imports
+from etude.tasks.proposal import ProposalConfig
 
 TEXTFMT = '''\
 """Parse and render a tiny key=value format."""

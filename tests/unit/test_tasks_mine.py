@@ -14,7 +14,6 @@ from etude.sandbox import make_sandbox
 from etude.tasks.mine import (
     Baseline,
     Miner,
-    ProposalConfig,
     detect_layout,
     index_module,
     index_package,
@@ -22,6 +21,7 @@ from etude.tasks.mine import (
     is_test_path,
     run_baseline,
 )
+from etude.tasks.proposal import ProposalConfig
 
 MINI_FILES = {
     "pyproject.toml": '[project]\nname = "minipkg"\nversion = "0.3.0"\n',

@@ -11,7 +11,7 @@ from test_tasks_mine import write_mini_repo
 from etude.cli import main as cli_main
 from etude.tasks.baseline import Baseline, derived_time_limit
 from etude.tasks.build import TaskBuildConfig, TaskFactory
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 from etude.tasks.quality import dedupe_by_fail_to_pass, difficulty_score
 from etude.tasks.record import EtudeInfo, TaskRecord, load_tasks
 

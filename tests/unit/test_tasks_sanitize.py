@@ -35,7 +35,7 @@ from etude.tasks.leaks import (
     ngrams,
     tree_files,
 )
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 from etude.tasks.record import resolve_workspace
 from etude.tasks.sanitize import (
     export_tree,

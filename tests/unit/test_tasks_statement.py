@@ -6,7 +6,8 @@ import pytest
 
 from etude.tasks.delete import Removal, apply_removal, patch_added_text, unified_patch
 from etude.tasks.leaks import normalize_text
-from etude.tasks.mine import Feature, detect_layout
+from etude.tasks.mine import detect_layout
+from etude.tasks.proposal import Feature
 from etude.tasks.statement import describe_symbol, group_tests, outline_symbol, problem_statement
 
 TEXTKIT = Path(__file__).resolve().parents[2] / "examples" / "repos" / "textkit"

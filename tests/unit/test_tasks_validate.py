@@ -10,7 +10,7 @@ from test_tasks_mine import write_mini_repo
 from etude.sandbox.grader import grading_config
 from etude.tasks.build import TaskBuildConfig, TaskFactory
 from etude.tasks.build_report import TaskOutcome
-from etude.tasks.mine import Feature, ProposalConfig
+from etude.tasks.proposal import Feature, ProposalConfig
 from etude.tasks.record import TaskRecord, resolve_workspace
 from etude.tasks.sanitize import run_git
 from etude.tasks.validate import check_record, locate_symbol

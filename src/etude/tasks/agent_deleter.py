@@ -184,9 +184,9 @@ def propose_with_agent(
 
     ``model``: any chat callable (a scripted agent in tests, an in-process engine); default: the
     OpenAI-compatible endpoint of ``cfg`` (``chat``). A proposal that names files deletes those
-    modules whole together with its definitions (``mine.combine``).
+    modules whole together with its definitions (``proposal.combine``).
     """
-    from etude.tasks.mine import Feature, combine
+    from etude.tasks.proposal import Feature, combine
 
     if model is not None:
         ask = model

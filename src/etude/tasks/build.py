@@ -52,14 +52,8 @@ from etude.tasks.copyguard import SandboxCopies, deleted_definitions
 from etude.tasks.delete import read_source
 from etude.tasks.diagnose import Diagnosis, diagnose, distribution_for
 from etude.tasks.features import feature_groups
-from etude.tasks.mine import (
-    Feature,
-    Miner,
-    detect_layout,
-    index_package,
-    index_test_imports,
-    run_baseline,
-)
+from etude.tasks.mine import Miner, detect_layout, index_package, index_test_imports, run_baseline
+from etude.tasks.proposal import Feature
 from etude.tasks.quality import dedupe_by_fail_to_pass
 from etude.tasks.record import TaskRecord, save_tasks
 from etude.tasks.sanitize import export_tree, find_installed_copies

@@ -13,7 +13,7 @@ from typing import Literal
 
 from etude.sandbox.base import Backend
 from etude.tasks.agent_deleter import AgentDeleterConfig
-from etude.tasks.mine import ProposalConfig
+from etude.tasks.proposal import ProposalConfig
 from etude.tasks.record import DETAIL_LEVELS
 
 

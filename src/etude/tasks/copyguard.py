@@ -30,7 +30,8 @@ from typing import Any
 
 from etude.tasks import copies as copies_module
 from etude.tasks.copies import Copy, Definition, definition_to_json, definitions_of_source
-from etude.tasks.mine import Feature, Miner, ProposalConfig, combine
+from etude.tasks.mine import Miner
+from etude.tasks.proposal import Feature, ProposalConfig, combine
 
 
 def deleted_definitions(sources: Mapping[str, str], feature: Feature) -> list[Definition]:

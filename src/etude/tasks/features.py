@@ -29,7 +29,8 @@ import dataclasses
 import fnmatch
 from pathlib import PurePosixPath
 
-from etude.tasks.mine import Feature, Miner, ProposalConfig, combine
+from etude.tasks.mine import Miner
+from etude.tasks.proposal import Feature, ProposalConfig, combine
 
 
 def _relaxed(cfg: ProposalConfig) -> ProposalConfig:

@@ -33,7 +33,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 
-from etude.tasks.mine import Feature
+from etude.tasks.proposal import Feature
 from etude.tasks.record import TaskRecord
 
 

@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 
 import libcst as cst
 
-from etude.tasks.mine import Feature, Layout
+from etude.tasks.mine import Layout
+from etude.tasks.proposal import Feature
 
 DETAIL_RANK = {"full": 0, "docstring": 1, "tests": 2}
 """Lower detail is harder: ``tests`` says least."""

@@ -56,7 +56,8 @@ from etude.tasks.delete import (
 )
 from etude.tasks.layout import Layout
 from etude.tasks.leaks import distinctive_material, leak_scan, source_code_streams, tree_files
-from etude.tasks.mine import Feature, Miner
+from etude.tasks.mine import Miner
+from etude.tasks.proposal import Feature
 from etude.tasks.quality import count_callers, deleted_statements, difficulty, difficulty_score
 from etude.tasks.record import EtudeInfo, TaskRecord, archive_workspace
 from etude.tasks.sanitize import export_tree, fresh_git_repo

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from etude.tasks.mine import Feature, ProposalConfig, combine
+from etude.tasks.proposal import Feature, ProposalConfig, combine
 from etude.tasks.record import TaskRecord
 from etude.tasks.statement import DETAIL_RANK
 
