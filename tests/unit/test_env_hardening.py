@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from etude.engine.sampling import Generation
-from etude.env.coding import CodingEnv, EnvConfig, remove_stale_dirs
+from etude.env.coding import CodingEnv, EnvConfig
+from etude.env.episode_workspace import remove_stale_dirs
 from etude.env.pool import EnvPool
 from etude.env.tools import Toolbox
 from etude.model.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer, default_corpus

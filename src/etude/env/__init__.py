@@ -8,6 +8,7 @@ Modules, bottom up:
 - ``protocol``: ``<tool_call>`` parsing, running a turn's calls, appending the results;
 - ``reward``: the test-based reward with the tests restored (`compute_reward`);
 - ``coding``: one episode (`CodingEnv`, `EnvConfig`, `run_episode`);
+- ``episode_workspace``: the episode's directory, hidden content, masks and repository facts;
 - ``pool``: many episodes on a bounded thread pool (`EnvPool`);
 - ``oracle``: a scripted agent that solves tasks from their gold patch (`OracleAgent`).
 
