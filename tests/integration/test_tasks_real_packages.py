@@ -20,8 +20,8 @@ import pytest
 
 from etude.tasks.build import TaskBuildConfig, build_tasks
 from etude.tasks.copies import definitions_of_source, find_copies
-from etude.tasks.delete import apply_patch
 from etude.tasks.leaks import tree_files
+from etude.tasks.patches import apply_patch
 from etude.tasks.proposal import ProposalConfig
 from etude.tasks.validate import copy_tree
 

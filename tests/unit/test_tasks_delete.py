@@ -10,17 +10,19 @@ import pytest
 from etude.tasks.delete import (
     DeletionError,
     Removal,
-    apply_patch,
     apply_removal,
-    patch_added_text,
-    patch_paths,
     read_source,
     remove_definitions,
-    stub_definitions,
-    unified_patch,
     write_source,
 )
 from etude.tasks.mine import detect_layout
+from etude.tasks.patches import (
+    apply_patch,
+    patch_added_text,
+    patch_paths,
+    stub_definitions,
+    unified_patch,
+)
 from etude.tasks.record import load_tasks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from etude.tasks.delete import Removal, apply_removal, patch_added_text, unified_patch
+from etude.tasks.delete import Removal, apply_removal
 from etude.tasks.leaks import normalize_text
 from etude.tasks.mine import detect_layout
+from etude.tasks.patches import patch_added_text, unified_patch
 from etude.tasks.proposal import Feature
 from etude.tasks.statement import describe_symbol, group_tests, outline_symbol, problem_statement
 

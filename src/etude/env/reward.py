@@ -33,7 +33,7 @@ from pathlib import Path
 from etude.sandbox import SandboxConfig, grade
 from etude.sandbox.cleanroom import allowed_from_paths, allowed_from_tree
 from etude.sandbox.grader import Outcome
-from etude.tasks.delete import patch_paths
+from etude.tasks.patches import patch_paths
 from etude.tasks.record import TaskRecord, resolve_workspace
 
 

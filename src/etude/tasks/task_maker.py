@@ -45,18 +45,11 @@ from etude.tasks.copyguard import (
     extend_with_copies,
     workspace_copies,
 )
-from etude.tasks.delete import (
-    DeletionError,
-    Removal,
-    apply_removal,
-    patch_added_text,
-    patch_paths,
-    unified_patch,
-    write_source,
-)
+from etude.tasks.delete import DeletionError, Removal, apply_removal, write_source
 from etude.tasks.layout import Layout
 from etude.tasks.leaks import distinctive_material, leak_scan, source_code_streams, tree_files
 from etude.tasks.mine import Miner
+from etude.tasks.patches import patch_added_text, patch_paths, unified_patch
 from etude.tasks.proposal import Feature
 from etude.tasks.quality import count_callers, deleted_statements, difficulty, difficulty_score
 from etude.tasks.record import EtudeInfo, TaskRecord, archive_workspace

@@ -51,15 +51,7 @@ from typing import Any
 from etude.sandbox.cleanroom import allowed_from_paths
 from etude.sandbox.grader import Outcome, grade
 from etude.sandbox.pytest import TestRun
-from etude.tasks.delete import (
-    StubKind,
-    apply_patch,
-    patch_added_text,
-    patch_paths,
-    read_source,
-    stub_definitions,
-    write_source,
-)
+from etude.tasks.delete import read_source, write_source
 from etude.tasks.leaks import (
     LeakMaterial,
     distinctive_material,
@@ -68,6 +60,13 @@ from etude.tasks.leaks import (
     tree_files,
 )
 from etude.tasks.mine import junit_address, probe_imports
+from etude.tasks.patches import (
+    StubKind,
+    apply_patch,
+    patch_added_text,
+    patch_paths,
+    stub_definitions,
+)
 from etude.tasks.record import TaskRecord, resolve_workspace, tree_digest
 from etude.tasks.sanitize import workspace_head
 
