@@ -45,6 +45,9 @@ the limit per namespace; set outside bwrap, RLIMIT_NPROC would count all of the 
 ``--die-with-parent`` and the PID namespace tie every process to the run: when the command ends
 (or is killed on the deadline) the namespace's init exits and the kernel kills the rest.
 
+The state this backend keeps on the host (the ``/etc`` copy, the uid leases, the workspace locks)
+and the chown of the workspace are ``etude.sandbox.bwrap_host``'s.
+
 What this backend does not contain: total disk use in the workspace (only each file's size is
 capped); memory of the whole tree (the limit is address space per process); CPU time of the whole
 tree (per process; the wall-clock timeout bounds the sum); the host kernel's attack surface.
@@ -52,18 +55,11 @@ tree (per process; the wall-clock timeout bounds the sum); the host kernel's att
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import hashlib
 import os
-import random
 import shutil
-import stat
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from etude.sandbox import seccomp
@@ -78,6 +74,14 @@ from etude.sandbox.base import (
     sandbox_env,
     shell_argv,
 )
+from etude.sandbox.bwrap_host import (
+    ETC_FILES,
+    NETWORK_ETC_FILES,
+    chown_tree,
+    lease_uid,
+    private_etc,
+    workspace_lock,
+)
 from etude.sandbox.fanotify import FanotifyGroups, fanotify_unavailable_reason
 from etude.sandbox.masking import foreign_package_dirs
 from etude.sandbox.recorder import FanotifyRecorder
@@ -85,38 +89,11 @@ from etude.sandbox.runner import popen_spawner, run_process_tree
 from etude.sandbox.tracer import EpisodeTracer
 
 MERGED_USR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# What ordinary programs read from /etc: the dynamic loader, Debian alternatives (awk, editor...),
-# user and host name lookup, locale and time zone, TLS roots. Not the rest (keys, configs). The
-# sandbox gets copies of the world-readable ones.
-ETC_FILES = (
-    "/etc/alternatives",
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/passwd",
-    "/etc/group",
-    "/etc/nsswitch.conf",
-    "/etc/hosts",
-    "/etc/host.conf",
-    "/etc/protocols",
-    "/etc/services",
-    "/etc/localtime",
-    "/etc/mime.types",
-    "/etc/ssl",
-    "/etc/ca-certificates",
-    "/etc/pki",
-)
-NETWORK_ETC_FILES = ("/etc/resolv.conf", "/etc/gai.conf")
-NSS_FILES_ONLY = ("passwd", "group", "shadow", "gshadow")
-"""Name-service databases the sandbox's ``nsswitch.conf`` answers from ``/etc`` alone."""
-NSS_FILES_ONLY_VERSION = b"nss-files-only-1"
 # never a workspace: the sandbox may write there and, as root, the tree is chowned for the run
 SHARED_DIRS = frozenset(
     ["/", "/tmp", "/var", "/var/tmp", "/home", "/root", "/usr", "/etc", "/opt", "/srv", "/mnt"]
     + ["/media", "/run", "/boot", "/sys", "/proc", "/dev", "/dev/shm"]
 )
-WORKSPACE_LOCK_STRIPES = 1024
-STATE_DIR = Path(tempfile.gettempdir()) / f"etude-sandbox-{os.getuid()}"
 
 
 def _is_within(path: str, root: str) -> bool:
@@ -414,7 +391,7 @@ class BwrapSandbox:
 
             if not self._as_root:
                 return run_as(None)
-            with _workspace_lock(ws), _lease_uid(*self.config.uid_range) as uid:
+            with workspace_lock(ws), lease_uid(*self.config.uid_range) as uid:
                 owner = os.stat(ws)
                 chown_tree(ws, uid, uid)
                 try:
@@ -477,137 +454,6 @@ class BwrapSandbox:
         if recorder.started:
             result.provenance = prov
         return result
-
-
-def _copy_readable(src: str, dest: str) -> None:
-    """Copy ``src`` to ``dest`` keeping symlinks as links and skipping what others cannot read."""
-    st = os.lstat(src)
-    if stat.S_ISLNK(st.st_mode):
-        os.symlink(os.readlink(src), dest)
-    elif stat.S_ISDIR(st.st_mode):
-        if st.st_mode & 0o005 != 0o005:
-            return  # e.g. /etc/ssl/private
-        os.mkdir(dest, 0o755)
-        for name in sorted(os.listdir(src)):
-            _copy_readable(os.path.join(src, name), os.path.join(dest, name))
-    elif stat.S_ISREG(st.st_mode) and st.st_mode & 0o004:
-        shutil.copyfile(src, dest)
-        os.chmod(dest, 0o644)
-
-
-def _fingerprint(paths: Sequence[str]) -> str:
-    """A hash of names, modes, sizes, times and link targets of everything ``private_etc`` copies."""
-    h = hashlib.sha256()
-
-    def add(path: str) -> None:
-        st = os.lstat(path)
-        link = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
-        h.update(f"{path}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{link}\n".encode())
-        if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o005 == 0o005:
-            for name in sorted(os.listdir(path)):
-                add(os.path.join(path, name))
-
-    h.update(NSS_FILES_ONLY_VERSION)  # what private_etc does to the copies
-    for path in paths:
-        if os.path.lexists(path):
-            add(path)
-    return h.hexdigest()[:24]
-
-
-def files_only_nsswitch(text: str) -> str:
-    """``nsswitch.conf`` with the user and group databases answered from the files alone.
-
-    Host sources such as ``systemd`` (userdb) have no daemon in the sandbox: each lookup would
-    only probe a dozen absent sockets and directories (``setpriv``'s uid lookup did 35 opens of
-    them per command), at a cost every command and the provenance tracer pay.
-    """
-    out = []
-    for line in text.splitlines():
-        db = line.split(":", 1)[0].strip()
-        out.append(f"{db}: files" if db in NSS_FILES_ONLY and ":" in line else line)
-    return "\n".join(out) + "\n"
-
-
-@functools.lru_cache(maxsize=4)
-def private_etc(paths: tuple[str, ...]) -> Path:
-    """A directory holding copies of the world-readable ``/etc`` entries in ``paths``.
-
-    Content-addressed under the state directory and built at most once per content: one bind of
-    it costs a tenth of binding each file (every mount is ~0.2 ms of bwrap start-up).
-    """
-    assert all(p.startswith("/etc/") for p in paths), paths
-    STATE_DIR.mkdir(mode=0o700, exist_ok=True)
-    target = STATE_DIR / f"etc-{_fingerprint(paths)}"
-    if target.is_dir():
-        return target
-    staging = Path(tempfile.mkdtemp(prefix="etc-staging-", dir=STATE_DIR))
-    os.chmod(staging, 0o755)
-    for path in paths:
-        if os.path.lexists(path):
-            _copy_readable(path, str(staging / os.path.basename(path)))
-    nss = staging / "nsswitch.conf"
-    if nss.is_file() and not nss.is_symlink():
-        nss.write_text(files_only_nsswitch(nss.read_text(errors="replace")))
-    try:
-        os.rename(staging, target)
-    except OSError:  # another process built the same content first
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def chown_tree(root: Path, uid: int, gid: int) -> None:
-    """Give ``root`` and everything under it to ``uid:gid`` without following symlinks."""
-    os.lchown(root, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            with contextlib.suppress(FileNotFoundError):
-                os.lchown(os.path.join(dirpath, name), uid, gid)
-
-
-@contextlib.contextmanager
-def _flock(path: Path, *, blocking: bool) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on ``path``; yields False when non-blocking and taken.
-
-    flock locks belong to the open file, so threads of one process exclude each other too, and a
-    crashed holder releases its locks with its file descriptors.
-    """
-    STATE_DIR.mkdir(mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            held = True
-        except BlockingIOError:
-            held = False
-        yield held
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _workspace_lock(ws: Path) -> Iterator[None]:
-    """Serialize runs on ``ws`` (their chowns would interleave).
-
-    Striped over a fixed set of lock files so that episodes do not leave one file each behind;
-    two workspaces sharing a stripe only wait for each other.
-    """
-    stripe = int(hashlib.sha256(str(ws).encode()).hexdigest(), 16) % WORKSPACE_LOCK_STRIPES
-    with _flock(STATE_DIR / f"workspace-{stripe}.lock", blocking=True):
-        yield
-
-
-@contextlib.contextmanager
-def _lease_uid(start: int, stop: int) -> Iterator[int]:
-    """An unprivileged uid in [start, stop) that no other run on this host holds right now."""
-    candidates = list(range(start, stop))
-    offset = random.randrange(len(candidates))
-    while True:
-        for uid in candidates[offset:] + candidates[:offset]:
-            with _flock(STATE_DIR / f"uid-{uid}.lock", blocking=False) as held:
-                if held:
-                    yield uid
-                    return
-        time.sleep(0.05)  # every uid of the range is in use: wait for a run to finish
 
 
 def bwrap_unavailable_reason() -> str | None:
