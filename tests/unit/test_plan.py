@@ -127,27 +127,28 @@ def test_owner_rule_and_bytes_by_hand():
 
 
 def _sharded_reference(specs, order, bucket_sizes, W):
-    """Owners, loads and bytes from ``etude.optim.sharded``'s own bucket builder (private, but
-    the rule itself), one call per rank of the exchange group."""
+    """Owners, loads and bytes from ``ShardedMuon``'s own bucket builder
+    (``etude.optim.exchange.make_bucket``, the rule itself), one call per rank of the exchange
+    group."""
     from torch.distributed.tensor import Shard
 
-    from etude.optim import sharded
+    from etude.optim import exchange
 
     metas = [meta for _, meta, _ in specs]
     layouts = []
     for shape, _, dim in specs:
-        boxes = tuple(sharded.shard_box(shape, (W,), (j,), (Shard(dim),)) for j in range(W))
+        boxes = tuple(exchange.shard_box(shape, (W,), (j,), (Shard(dim),)) for j in range(W))
         layouts.append(boxes)
     blocks = []
     for entry, b in order:
         shape, meta, _ = specs[entry]
-        box = sharded.block_box(meta, shape, b)
+        box = exchange.block_box(meta, shape, b)
         parts = tuple(
             (j, piece)
             for j, member in enumerate(layouts[entry])
-            if (piece := sharded._intersect(box, member)) is not None
+            if (piece := exchange.intersect_boxes(box, member)) is not None
         )
-        blocks.append(sharded._Block(entry, b, box, parts))
+        blocks.append(exchange.Block(entry, b, box, parts))
     owners, load, sent = [], [0] * W, [0] * W
     m, n = metas[0].block_shape(specs[0][0])
     setting = (m, n, torch.float32, 5, "quintic")
@@ -157,9 +158,9 @@ def _sharded_reference(specs, order, bucket_sizes, W):
         start += size
         before = list(load)
         for me in range(W):
-            ex = [sharded.ExchangeLayout(object(), W, me, boxes) for boxes in layouts]
+            ex = [exchange.ExchangeLayout(object(), W, me, boxes) for boxes in layouts]
             scratch = load if me == 0 else list(before)
-            bucket = sharded._make_bucket(chunk, metas, ex, setting, torch.device("cpu"), scratch)
+            bucket = exchange.make_bucket(chunk, metas, ex, setting, torch.device("cpu"), scratch)
             if me == 0:
                 owners.append(list(bucket.owners))
             sent[me] += sum(h * w for j in range(W) for _, _, (h, w) in bucket.send[j])

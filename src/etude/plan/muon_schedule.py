@@ -69,9 +69,9 @@ def block_pieces(lo: int, hi: int, width: int, size: int, W: int) -> Pieces:
 class OwnerBalancer:
     """Owners of blocks, bucket after bucket, for one exchange group of ``size`` ranks.
 
-    The rule of ``ShardedMuon`` (``etude.optim.sharded``): per bucket, a block held whole by one
-    rank stays there; each other block goes to ``min(range(W), key=(count in this bucket, load,
-    -held, rank))``. ``load`` (Newton-Schulz FLOPs) carries over buckets. Here the minimum is
+    The rule of ``ShardedMuon`` (``etude.optim.exchange.make_bucket``): per bucket, a block held
+    whole by one rank stays there; each other block goes to ``min(range(W), key=(count in this
+    bucket, load, -held, rank))``. ``load`` (Newton-Schulz FLOPs) carries over buckets. Here the minimum is
     found with a heap of (load, rank) instead of a scan over the W ranks: ranks are taken in
     rounds of equal count (all count-0 ranks before any count-1 rank), within a round by least
     load; among the ranks tied at that load, the block's largest holder wins, else the lowest
