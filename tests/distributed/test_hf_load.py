@@ -98,7 +98,7 @@ def policy_logits(hf_dir: str) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     from etude.parallel.checkpoint import load_hf_policy
-    from etude.rl.trainer import shard_policy
+    from etude.rl.run_setup import shard_policy
 
     model, _, _ = load_hf_policy(hf_dir, shard=shard_policy)
     local = sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))
