@@ -130,7 +130,9 @@ def main() -> None:
         run_sft(sft)
     sft_eval_path = run / "eval_sft.json"
     if sft_eval_path.is_file():
-        sft_eval = json.loads(sft_eval_path.read_text())
+        sft_eval = with_failure_keys(
+            json.loads(sft_eval_path.read_text()), run / "eval_sft_trajectories.jsonl"
+        )
     else:
         sft_eval = evaluate_policy(
             rl, run / "sft", group, out=run / "eval_sft_trajectories.jsonl", label="eval sft"
